@@ -1,1 +1,3 @@
-"""kernels"""
+"""Custom ops in the ``minimax::`` namespace. Importing this package registers them all."""
+
+from . import fp8  # noqa: F401  (registers minimax::quantize_fp8, minimax::fp8_block_gemm)

@@ -1,0 +1,46 @@
+"""A static, preallocated KV cache: one K and one V buffer per attention layer.
+
+Buffers are [batch, local_kv_heads, max_len, head_dim]. A forward writes the
+new keys and values at their `positions` (a scatter, which torch.compile
+functionalizes into a copy back to the buffer) and attends over the whole
+buffer with the mask k_pos <= q_pos. So one model does prefill (positions
+0..P-1) and decode (position t) with the same code, and static shapes.
+Slots past the current position are masked, whatever they hold.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["KVCache", "cache_mask"]
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, max_len: int, num_kv_heads: int, head_dim: int, *, dtype, device):
+        super().__init__()
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        # Not persistent: not part of the checkpoint, no load plan.
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, h, S, d] at positions [B, S]; return the whole buffers."""
+        index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        self.k.scatter_(2, index, k)
+        self.v.scatter_(2, index, v)
+        return self.k, self.v
+
+
+def cache_mask(positions: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Boolean attention mask [B, 1, S, max_len]: query at position p sees keys at slots <= p."""
+    slots = torch.arange(max_len, device=positions.device)
+    return slots[None, None, None, :] <= positions[:, None, :, None]

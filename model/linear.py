@@ -1,0 +1,203 @@
+"""Tensor-parallel linear layers, in BF16 or block-scaled FP8.
+
+    ColumnParallelLinear   output dim split over ranks; may fuse several
+                           checkpoint tensors (q/k/v, gate/up) into one GEMM
+    RowParallelLinear      input dim split over ranks; returns PARTIAL sums:
+                           the caller all-reduces, so the collective shows in
+                           the model (and the graph) right after o_proj / down
+    ReplicatedLinear       every rank holds the whole weight
+
+A linear holds either `weight` [N, K] in the model dtype, or FP8 E4M3 `weight`
+[N, K] plus float32 `weight_scale_inv` [ceil(N/128), ceil(K/128)] (one scale
+per 128 x 128 block, the DeepSeek / HF checkpoint layout). The FP8 forward
+quantizes the activation per 1 x G group (G = 128, or 32 for MXFP8) with
+`minimax::quantize_fp8` and multiplies with `minimax::fp8_block_gemm`; the
+norm + quant fusion pass looks for exactly that pair.
+
+Every parameter carries a `load_plan` (model/weights.py): which slices of
+which checkpoint tensors it is made of. An FP8 shard must start and end on
+128-row / 128-column block boundaries, or its scales could not be sliced; the
+error names the layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels  # noqa: F401  (registers the minimax:: ops)
+from ..kernels.fp8 import FP8_DTYPE, WEIGHT_BLOCK, quantize_weight_fp8
+from .weights import LoadPlan, Shard, attach_plan, cols, rows
+
+__all__ = [
+    "Piece",
+    "ShardingError",
+    "ParallelLinear",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ReplicatedLinear",
+    "quantize_weight_fp8",
+]
+
+
+class ShardingError(ValueError):
+    """A weight cannot be split the way the parallel layout asks (names the layer)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, start + length) of checkpoint tensor `<prefix>.weight` (full size `full`)."""
+
+    prefix: str
+    full: int
+    start: int = 0
+    length: int | None = None  # None: to the end
+
+    @property
+    def size(self) -> int:
+        return self.full - self.start if self.length is None else self.length
+
+    @property
+    def is_whole(self) -> bool:
+        return self.start == 0 and self.size == self.full
+
+
+def _slice(name: str, dim: int, start: int, length: int, full: int) -> Shard:
+    if start == 0 and length == full:
+        return Shard(name)
+    return rows(name, start, length) if dim == 0 else cols(name, start, length)
+
+
+class ParallelLinear(nn.Module):
+    """y = x @ W.T with W the local [out_features, in_features] shard (no bias in MiniMax).
+
+    `out_pieces` lists the checkpoint row ranges stacked into W (one piece, or
+    several for a fused projection); `in_range` = (start, length, full) is the
+    column range of each of them that this rank holds (whole K unless row-parallel).
+    """
+
+    def __init__(
+        self,
+        out_pieces: list[Piece],
+        in_features: int,
+        *,
+        in_range: tuple[int, int, int] | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        fp8: bool = False,
+        act_group_size: int = 128,
+    ):
+        super().__init__()
+        self.pieces = tuple(out_pieces)
+        self.name = self.pieces[0].prefix if len(self.pieces) == 1 else "+".join(p.prefix for p in self.pieces)
+        in_start, in_len, in_full = in_range if in_range is not None else (0, in_features, in_features)
+        if in_len != in_features:
+            raise ShardingError(f"{self.name}: in_range length {in_len} != in_features {in_features}")
+        self.in_features = in_features
+        self.out_features = sum(p.size for p in self.pieces)
+        self.fp8 = fp8
+        self.act_group_size = act_group_size
+
+        def plan_for(suffix: str, block: int = 1) -> LoadPlan:
+            # Weight (block=1) or its block scales (block=128): slices of every piece,
+            # stacked along dim 0; the column range is applied to each piece.
+            def blocks(start: int, length: int, full: int) -> tuple[int, int, int]:
+                b0 = start // block
+                return b0, math.ceil((start + length) / block) - b0, math.ceil(full / block)
+
+            shards = []
+            for p in self.pieces:
+                name = f"{p.prefix}.{suffix}"
+                r0, rn, rfull = blocks(p.start, p.size, p.full)
+                c0, cn, cfull = blocks(in_start, in_len, in_full)
+                if (r0, rn) != (0, rfull) and (c0, cn) != (0, cfull):
+                    raise ShardingError(f"{self.name}: a shard cannot slice both rows and columns")
+                if (c0, cn) != (0, cfull):
+                    shards.append(_slice(name, 1, c0, cn, cfull))
+                else:
+                    shards.append(_slice(name, 0, r0, rn, rfull))
+            return LoadPlan(tuple(shards), cat_dim=0)
+
+        if fp8:
+            self._check_fp8_blocks(in_start, in_len, in_full)
+            w = torch.empty(self.out_features, in_features, dtype=FP8_DTYPE, device=device)
+            s = torch.ones(
+                math.ceil(self.out_features / WEIGHT_BLOCK), math.ceil(in_features / WEIGHT_BLOCK),
+                dtype=torch.float32, device=device,
+            )
+            self.weight = nn.Parameter(w, requires_grad=False)
+            self.weight_scale_inv = nn.Parameter(s, requires_grad=False)
+            attach_plan(self.weight, plan_for("weight"))
+            attach_plan(self.weight_scale_inv, plan_for("weight_scale_inv", WEIGHT_BLOCK))
+        else:
+            w = torch.empty(self.out_features, in_features, dtype=dtype, device=device)
+            self.weight = nn.Parameter(w, requires_grad=False)
+            self.weight_scale_inv = None
+            attach_plan(self.weight, plan_for("weight"))
+
+    def _check_fp8_blocks(self, in_start: int, in_len: int, in_full: int) -> None:
+        b = WEIGHT_BLOCK
+        for i, p in enumerate(self.pieces):
+            last = i == len(self.pieces) - 1
+            if p.start % b or (p.size % b and not (last and p.start + p.size == p.full)):
+                raise ShardingError(
+                    f"{p.prefix}: FP8 rows [{p.start}, {p.start + p.size}) of {p.full} are not on "
+                    f"{b}-row block boundaries, so its weight_scale_inv cannot be sliced for this rank "
+                    "(change the TP size, or use a BF16 model)"
+                )
+        if in_start % b or (in_len % b and in_start + in_len != in_full):
+            raise ShardingError(
+                f"{self.name}: FP8 columns [{in_start}, {in_start + in_len}) of {in_full} are not on "
+                f"{b}-column block boundaries (change the TP size, or use a BF16 model)"
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            xq, xs = torch.ops.minimax.quantize_fp8(x, self.act_group_size)
+            return torch.ops.minimax.fp8_block_gemm(xq, xs, self.weight, self.weight_scale_inv, x.dtype)
+        return F.linear(x, self.weight)
+
+    @torch.no_grad()
+    def set_weight(self, w: torch.Tensor) -> None:
+        """Set the local weight from a float tensor [out, in]; an FP8 linear quantizes it
+        in 128 x 128 blocks (quantize at load). Block-aligned shards make this equal
+        to quantizing the full checkpoint tensor and slicing."""
+        if tuple(w.shape) != tuple(self.weight.shape):
+            raise ShardingError(f"{self.name}: weight shape {tuple(w.shape)} != local {tuple(self.weight.shape)}")
+        if self.fp8:
+            q, s = quantize_weight_fp8(w)
+            self.weight.copy_(q)
+            self.weight_scale_inv.copy_(s)
+        else:
+            self.weight.copy_(w)
+
+    def extra_repr(self) -> str:
+        kind = "fp8 block 128x128" if self.fp8 else str(self.weight.dtype).replace("torch.", "")
+        return f"{self.name}: in={self.in_features}, out={self.out_features}, {kind}"
+
+
+class ColumnParallelLinear(ParallelLinear):
+    """Output dim split over ranks: each piece contributes rows [start, start+length) of its tensor."""
+
+    def __init__(self, pieces: list[Piece], in_features: int, **kw):
+        super().__init__(pieces, in_features, **kw)
+
+
+class RowParallelLinear(ParallelLinear):
+    """Input dim split over ranks: columns [in_start, in_start + in_features) of `<prefix>.weight`.
+
+    Returns partial sums; the caller all-reduces (see module docstring)."""
+
+    def __init__(self, prefix: str, in_start: int, in_features: int, in_full: int, out_features: int, **kw):
+        super().__init__([Piece(prefix, out_features)], in_features, in_range=(in_start, in_features, in_full), **kw)
+
+
+class ReplicatedLinear(ParallelLinear):
+    """The whole `<prefix>.weight` on every rank."""
+
+    def __init__(self, prefix: str, in_features: int, out_features: int, **kw):
+        super().__init__([Piece(prefix, out_features)], in_features, **kw)

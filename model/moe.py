@@ -1,0 +1,126 @@
+"""The MiniMax mixture-of-experts block (M3 and M2).
+
+    router      logits = x @ gate.T in float32 (gate replicated, float32)
+    scores      sigmoid(logits)
+    select      top-k of scores + e_score_correction_bias (the bias only picks experts)
+    weights     the selected UNBIASED scores, renormalized to sum 1, times routed_scaling_factor
+    experts     this rank's local experts, each a gated MLP (w1 = gate, w3 = up, w2 = down)
+    shared      the shared expert (M3), tensor-parallel like the dense MLP, added unscaled
+    all_reduce  ONE all-reduce sums routed and shared partials of all ranks
+
+Expert parallel layout (model/parallel.py): rank `ep_rank` owns experts
+[ep_rank * E/ep, (ep_rank + 1) * E/ep) and holds slice `moe_tp_rank` of each
+owned expert's intermediate dim; every rank runs its experts on all of its
+tokens, so a token's full output appears only after the all-reduce.
+
+This matches transformers' MiniMaxM2SparseMoeBlock (M2: no shared expert,
+scaling 1.0) and the M3 block (shared expert, scaling 2.0). HF keeps the
+router weight in the model dtype and applies the scaling after the expert
+sum; here the router is float32 and the scaling is folded into the top-k
+weights, which agree exactly in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import GatedMLP, shard
+from .linear import ReplicatedLinear
+from .parallel import ParallelState, all_reduce
+from .weights import attach_plan
+
+__all__ = ["MoE"]
+
+
+def _tracing() -> bool:
+    """True under torch.compile / export and under make_fx (proxy tracing): graph
+    capture needs the static-shape expert loop, plain eager may gather tokens."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    except ImportError:  # pragma: no cover
+        return False
+    return get_proxy_mode() is not None
+
+
+class MoE(nn.Module):
+    def __init__(self, config, ps: ParallelState, prefix: str, *, dtype, device, fp8: bool):
+        super().__init__()
+        self.ps = ps
+        self.top_k = config.num_experts_per_tok
+        self.use_routing_bias = config.use_routing_bias
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        num_experts = config.num_local_experts
+
+        # Router: replicated and kept in float32 (small, and routing is precision sensitive);
+        # forward uses its weight directly on float32 activations.
+        self.gate = ReplicatedLinear(f"{prefix}.gate", config.hidden_size, num_experts,
+                                     dtype=torch.float32, device=device)
+        bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        self.register_buffer("e_score_correction_bias", bias)
+        attach_plan(self.e_score_correction_bias, f"{prefix}.e_score_correction_bias")
+
+        # Routed experts: this rank's slice of experts, each sharded over the MoE TP ranks.
+        self.first_expert, n_local = shard(num_experts, ps.ep_rank, ps.ep_size, f"{prefix}: num_local_experts")
+        self.experts = nn.ModuleList(
+            GatedMLP(config, ps,
+                     (f"{prefix}.experts.{e}.w1", f"{prefix}.experts.{e}.w3", f"{prefix}.experts.{e}.w2"),
+                     config.intermediate_size, ps.moe_tp_rank, ps.moe_tp_size,
+                     reduce_output=False, dtype=dtype, device=device, fp8=fp8)
+            for e in range(self.first_expert, self.first_expert + n_local)
+        )
+
+        # Shared expert: tensor-parallel over all ranks, no all-reduce of its own.
+        self.shared_experts = None
+        if config.shared_intermediate_size:
+            names = tuple(f"{prefix}.shared_experts.{p}_proj" for p in ("gate", "up", "down"))
+            self.shared_experts = GatedMLP(config, ps, names, config.shared_intermediate_size,
+                                           ps.tp_rank, ps.tp_size, reduce_output=False,
+                                           dtype=dtype, device=device, fp8=fp8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Router -> sigmoid -> top-k (biased choice) -> gather unbiased scores -> renorm -> scale.
+        logits = F.linear(x.float(), self.gate.weight)
+        scores = torch.sigmoid(logits)
+        choice = scores + self.e_score_correction_bias if self.use_routing_bias else scores
+        topk_ids = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        topk_weights = scores.gather(1, topk_ids)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        topk_weights = topk_weights * self.routed_scaling_factor
+
+        # Local experts (partial sums, float32 accumulation).
+        out = x.new_zeros(x.shape, dtype=torch.float32)
+        if _tracing():
+            out = self._experts_dense(x, topk_ids, topk_weights, out)
+        else:
+            out = self._experts_gathered(x, topk_ids, topk_weights, out)
+        out = out.to(x.dtype)
+
+        # Shared expert, then the one all-reduce of the block.
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return all_reduce(out, self.ps)
+
+    def _experts_dense(self, x, topk_ids, topk_weights, out):
+        """Static shapes for torch.compile: every local expert runs on all tokens,
+        weighted by its top-k weight (zero for tokens not routed to it)."""
+        for i, expert in enumerate(self.experts):
+            w_e = (topk_weights * (topk_ids == self.first_expert + i)).sum(dim=-1)  # [T]
+            out = out + w_e[:, None] * expert(x)
+        return out
+
+    def _experts_gathered(self, x, topk_ids, topk_weights, out):
+        """Eager fast path: each expert runs only on its routed tokens. Same sum in
+        the same expert order as _experts_dense (which adds exact zeros for the rest)."""
+        for i, expert in enumerate(self.experts):
+            token, slot = torch.nonzero(topk_ids == self.first_expert + i, as_tuple=True)
+            if token.numel() == 0:
+                continue
+            w_e = topk_weights[token, slot]
+            out.index_add_(0, token, w_e[:, None] * expert(x[token]))
+        return out
