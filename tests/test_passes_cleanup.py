@@ -1,0 +1,59 @@
+"""Cleanup pass on small ATen graphs made with make_fx (fake values in meta)."""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from minimax_backend.graph_passes.base import PassContext
+from minimax_backend.graph_passes.cleanup import CleanupPass
+from minimax_backend.graph_passes.config import BackendConfig
+from minimax_backend.patterns import op_name
+
+
+def _run(f, *args):
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    cfg = BackendConfig()
+    res = CleanupPass(cfg).apply(gm, PassContext(config=cfg))
+    gm.graph.lint()
+    gm.recompile()
+    return gm, res, [op_name(n) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_dead_code_and_noop_views_removed():
+    def f(x):
+        _unused = x.sin() * 2  # dead
+        y = x.view(x.shape).clone()  # both no-ops
+        return y.relu().view(-1)  # feeds the output: kept
+
+    x = torch.randn(4, 8)
+    gm, res, ops = _run(f, x)
+    assert res.matches == 4 and res.graph_changed
+    assert res.breakdown == {"no-op view": 2, "dead": 2}
+    assert ops == ["aten.relu", "aten.view"]
+    assert not CleanupPass(BackendConfig()).expects_matches(PassContext(config=BackendConfig()))
+
+
+def test_keeps_mutations_and_layout_changes():
+    def f(cache, x):
+        cache.copy_(x)  # an input mutation (KV cache write): never dead
+        return x.t().clone(memory_format=torch.contiguous_format) + 1  # clone changes strides: kept
+
+    gm, res, ops = _run(f, torch.zeros(4, 8), torch.randn(4, 8))
+    assert res.matches == 0 and not res.graph_changed
+    assert "aten.copy_" in ops and "aten.clone" in ops
+
+
+def test_numerics_unchanged():
+    def f(x, w):
+        h = (x @ w).view(3, 5).clone()
+        return h * 2
+
+    x, w = torch.randn(3, 4), torch.randn(4, 5)
+    gm = make_fx(f)(x, w)
+    ref = gm(x, w)
+    cfg = BackendConfig()
+    # real-tensor make_fx still records meta["val"]
+    assert CleanupPass(cfg).apply(gm, PassContext(config=cfg)).matches == 2
+    gm.recompile()
+    torch.testing.assert_close(gm(x, w), ref)
