@@ -1,0 +1,62 @@
+"""Sequence parallelism: the residual stream stays split by token across TP ranks.
+
+The rewrite itself is in sequence_parallel_rewrite.py; this file decides
+when it runs and what it reports. The auto rule is the source engine's: on
+for TP > 1 with expert parallelism, the fused MoE backend and a single
+pipeline stage. MTP blocks never reach this graph (the MTP module has its own
+forward), and pipeline parallelism is not handled: the record says both.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from .base import GraphPass, PassContext, PassResult
+from .manager import register_pass
+from .meta_refresh import refresh_fake_meta
+from .sequence_parallel_rewrite import NotRecognized, shard_residual_stream
+
+UNTOUCHED = "left untouched: MTP blocks (separate forward, not in this graph); pipeline parallelism (one stage only)"
+
+
+@register_pass
+class SequenceParallelPass(GraphPass):
+    name = "sequence_parallel"
+    switch = "sequence_parallel"
+    config_fields = ("pp_size",)
+    hash_modules = (
+        "minimax_backend.graph_passes.sequence_parallel_rewrite",
+        "minimax_backend.patterns.token_wise",
+        "minimax_backend.patterns.collectives",
+    )
+
+    def decide(self, ctx: PassContext):
+        if ctx.tp_size <= 1:
+            return False, "TP is 1: nothing to shard"
+        if ctx.pp_size > 1:
+            return False, "pipeline parallelism is not supported by this pass"
+        return super().decide(ctx)
+
+    def auto_rule(self, ctx: PassContext) -> str | None:
+        if ctx.ep_size <= 1:
+            return "off without expert parallelism (set ep_size, or sequence_parallel='on')"
+        if self.config.moe_lower == "off":
+            return "off without the fused MoE backend (moe_lower is 'off')"
+        return None
+
+    def apply(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        try:
+            record = shard_residual_stream(gm.graph)
+        except NotRecognized as e:
+            return self.result(matches=0, skipped=f"graph not recognized: {e}", details=[UNTOUCHED])
+        gm.recompile()
+        refresh_fake_meta(gm)
+        breakdown = dict(sorted(record.replaced.items()))
+        breakdown["gathers"] = record.stream_gathers
+        breakdown["end gather"] = record.end_gathers
+        return self.result(
+            matches=record.matches,
+            graph_changed=True,
+            breakdown=breakdown,
+            details=record.details() + [UNTOUCHED],
+        )

@@ -1,0 +1,61 @@
+"""Matching and building functional collectives in an ATen graph.
+
+The model issues every collective as `torch.ops._c10d_functional.<op>`
+followed by `wait_tensor`; in the graph that is always a pair of nodes. The
+passes match and build the pair together so no graph is ever left with a
+collective whose result is not waited on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from minimax_backend.patterns import find_collectives
+
+c10d = torch.ops._c10d_functional
+
+
+@dataclass
+class Collective:
+    """A functional collective and the wait_tensor that completes it."""
+
+    start: fx.Node
+    wait: fx.Node
+
+    @property
+    def input(self) -> fx.Node:
+        return self.start.args[0]
+
+    @property
+    def group_name(self) -> str:
+        return self.start.args[-1]
+
+
+def find_all_reduces(graph: fx.Graph, reduce_op: str = "sum") -> list[Collective]:
+    """Every all_reduce(x, reduce_op, group) with exactly one wait, in graph order."""
+    return [
+        Collective(start, wait)
+        for start, wait in find_collectives(graph, "all_reduce")
+        if wait is not None and len(start.users) == 1 and start.args[1] == reduce_op
+    ]
+
+
+def group_size(group_name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
+
+
+def insert_reduce_scatter(graph: fx.Graph, x: fx.Node, group_size: int, group_name: str) -> fx.Node:
+    """reduce_scatter(x) along dim 0 + wait; call with graph.inserting_*() set."""
+    start = graph.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", group_size, group_name))
+    return graph.call_function(c10d.wait_tensor.default, (start,))
+
+
+def insert_all_gather(graph: fx.Graph, x: fx.Node, group_size: int, group_name: str) -> fx.Node:
+    """all_gather(x) along dim 0 + wait; call with graph.inserting_*() set."""
+    start = graph.call_function(c10d.all_gather_into_tensor.default, (x, group_size, group_name))
+    return graph.call_function(c10d.wait_tensor.default, (start,))
