@@ -1,0 +1,111 @@
+"""Shared pieces of the GPU benchmarks: timing, random weights, tables, JSON.
+
+Every benchmark compares against the alternative in the same run, quotes
+medians of CUDA-event timings after warm-up, prints a table and writes JSON
+with the date, the hardware and the software versions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import platform
+import statistics
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+
+def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, barrier: Callable[[], None] | None = None) -> float:
+    """Median wall time of fn() in milliseconds, timed with CUDA events.
+
+    `barrier` (e.g. a distributed barrier) runs before every timed call so all
+    ranks start together and a collective's wait is not counted as compute.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        if barrier is not None:
+            barrier()
+            torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _seed_of(name: str, seed: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 62) - 1)
+
+
+@torch.no_grad()
+def fast_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights generated on the tensors' own device, fast at real width.
+
+    Each tensor's generator is seeded from its name, so replicated tensors
+    (norms, router) are identical on every rank, as tensor parallelism needs.
+    FP8 weights get random E4M3 values and unit block scales; norm weights
+    stay near their identity value.
+    """
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not t.is_floating_point():
+            continue
+        gen = torch.Generator(device=t.device).manual_seed(_seed_of(name, seed))
+        if t.dtype == torch.float8_e4m3fn:
+            t.copy_((torch.randn(t.shape, generator=gen, device=t.device) * 0.5).to(t.dtype))
+        elif "scale" in name:
+            t.fill_(std * 4)
+        elif t.dim() == 1:
+            t.copy_(torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32) * 0.01)
+        else:
+            t.copy_(torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32) * std)
+
+
+def hardware() -> dict[str, Any]:
+    info = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["gpus"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str = "") -> str:
+    """A plain fixed-width table; returns it as text too (for the docs)."""
+    def fmt(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns]
+    lines = [title] if title else []
+    lines.append("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    for r in rows:
+        lines.append("  ".join(fmt(r.get(c, "")).rjust(w) for c, w in zip(columns, widths)))
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"hardware": hardware(), **payload}, indent=2, default=str))
+    print(f"wrote {path}", flush=True)

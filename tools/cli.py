@@ -1,0 +1,188 @@
+"""`minimax-compile`: make checkpoints, run eager vs compiled, dump graphs.
+
+    minimax-compile run                      # tiny built-in model, TP 2 on CPU
+    minimax-compile run --tp 2 --ep 2 --json report.json
+    minimax-compile make-checkpoint --config tiny-m3 --out /tmp/ckpt [--fp8]
+    minimax-compile dump --dump /tmp/dump    # compile only, write the graph dump
+    minimax-compile summarize /tmp/dump      # op-count table of a dump
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+DEFAULT_PRESET = "tiny-m3"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MINIMAX_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minimax_backend"
+    return Path(root)
+
+
+def load_config(spec: str):
+    """A preset name or a path to an HF config.json (or a checkpoint directory)."""
+    from minimax_backend.model.config import PRESET_NAMES, MiniMaxConfig, load_preset
+
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return MiniMaxConfig.from_json_file(path)
+    if spec in PRESET_NAMES:
+        return load_preset(spec)
+    raise SystemExit(f"--config {spec!r} is neither a config file nor a preset ({', '.join(PRESET_NAMES)})")
+
+
+def default_checkpoint() -> Path:
+    """The tiny preset's random checkpoint, written once into the cache.
+
+    The folder name carries a hash of the preset, so editing the preset makes
+    a new checkpoint instead of loading a stale one.
+    """
+    from minimax_backend.model.checkpoint import save_random_checkpoint
+
+    config = load_config(DEFAULT_PRESET)
+    digest = hashlib.sha256(json.dumps(config.to_hf_dict(), sort_keys=True, default=str).encode()).hexdigest()[:10]
+    out = cache_dir() / "checkpoints" / f"{DEFAULT_PRESET}-{digest}"
+    if not (out / "config.json").exists():
+        print(f"[minimax] writing the built-in {DEFAULT_PRESET} checkpoint to {out} (first use only)", flush=True)
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        save_random_checkpoint(config, tmp, seed=0)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process wrote it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _options(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--options is not valid JSON: {e}") from None
+    if not isinstance(options, dict):
+        raise SystemExit("--options must be a JSON object, e.g. '{\"strict\": true}'")
+    from minimax_backend.graph_passes.config import BackendConfig
+
+    BackendConfig.from_options(options)  # unknown keys fail here, before any rank starts
+    return options
+
+
+def cmd_make_checkpoint(a) -> None:
+    from minimax_backend.model.checkpoint import save_random_checkpoint
+
+    config = load_config(a.config)
+    save_random_checkpoint(config, Path(a.out), seed=a.seed, fp8=a.fp8)
+    print(f"wrote a random {config.model_type} checkpoint ({'fp8' if a.fp8 else 'bf16'}) to {a.out}")
+
+
+def _run_args(a, compile_only: bool):
+    from minimax_backend.tools.run_job import RunArgs
+
+    checkpoint = Path(a.checkpoint) if a.checkpoint else default_checkpoint()
+    if not (checkpoint / "config.json").is_file():
+        raise SystemExit(f"--checkpoint {checkpoint}: no config.json there")
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA GPU is visible")
+    return RunArgs(
+        checkpoint=str(checkpoint), tp=a.tp, ep=a.ep, tokens=a.tokens, batch=a.batch,
+        dtype=a.dtype, decode_steps=0 if compile_only else a.decode_steps,
+        options=_options(a.options), dump=a.dump, save_logits=getattr(a, "save_logits", None),
+        json_path=getattr(a, "json", None), device=a.device, seed=a.seed,
+        repeats=getattr(a, "repeats", 1), compile_only=compile_only,
+    )
+
+
+def _launch(run_args) -> None:
+    from minimax_backend.tools.launch import run_on_ranks
+    from minimax_backend.tools.run_job import run_job
+
+    if run_args.tp < 1 or run_args.ep < 1 or run_args.tp % run_args.ep:
+        raise SystemExit(f"--ep {run_args.ep} must be >= 1 and divide --tp {run_args.tp}")
+    if run_args.tokens < 1 or run_args.batch < 1:
+        raise SystemExit("--tokens and --batch must be at least 1")
+    from minimax_backend.model.config import MiniMaxConfig
+
+    config = MiniMaxConfig.from_json_file(Path(run_args.checkpoint) / "config.json")
+    config.validate_for_parallel(run_args.tp, run_args.ep)  # fail before starting ranks
+    run_on_ranks(run_job, run_args.tp, run_args.device, run_args)
+
+
+def cmd_run(a) -> None:
+    _launch(_run_args(a, compile_only=False))
+
+
+def cmd_dump(a) -> None:
+    if not a.dump:
+        a.dump = "minimax_dumps"
+    _launch(_run_args(a, compile_only=True))
+
+
+def cmd_summarize(a) -> None:
+    from minimax_backend.tools.graph_dump import main as dump_main
+
+    sys.exit(dump_main(["summarize", a.dir]))
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", help="HF-layout safetensors directory (default: tiny built-in preset)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, divides --tp (default 1)")
+    p.add_argument("--tokens", type=int, default=37, help="prompt tokens per sequence (default 37)")
+    p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
+    p.add_argument("--dtype", choices=sorted(__import__("minimax_backend.tools.run_job", fromlist=["DTYPES"]).DTYPES),
+                   default="bfloat16")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--options", help="backend options as a JSON object")
+    p.add_argument("--dump", help="write the graph dump of every stage here")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minimax-compile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-checkpoint", help="write a random HF-format checkpoint")
+    p.add_argument("--config", required=True, help="config.json path or preset name")
+    p.add_argument("--out", required=True)
+    p.add_argument("--fp8", action="store_true", help="FP8 E4M3 weights with 128x128 block scales")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_checkpoint)
+
+    p = sub.add_parser("run", help="run eager and compiled on the same inputs and compare")
+    _add_run_flags(p)
+    p.add_argument("--decode-steps", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (medians are reported)")
+    p.add_argument("--save-logits", help="torch file with input_ids, eager, compiled")
+    p.add_argument("--json", help="write the run report as JSON")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("dump", help="compile once and write the graph dump, no comparison")
+    _add_run_flags(p)
+    p.set_defaults(func=cmd_dump, decode_steps=0)
+
+    p = sub.add_parser("summarize", help="print the op-count table of a dump directory")
+    p.add_argument("dir")
+    p.set_defaults(func=cmd_summarize)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

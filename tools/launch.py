@@ -1,0 +1,102 @@
+"""Start the tensor-parallel ranks for a job, or join the ones torchrun started.
+
+`run_on_ranks(job, world_size, device, args)` calls `job(rank, world_size, args)`
+once per rank with a process group already initialized:
+
+- under torchrun (RANK / WORLD_SIZE set) the current process is one rank and
+  joins torchrun's group, so the same command runs across nodes;
+- otherwise it spawns `world_size` local processes on 127.0.0.1 (gloo on CPU,
+  NCCL on GPUs), each with its own rank.
+
+A rank that raises ends the whole job with that rank's traceback; the group
+is created with a timeout so a broken rank never hangs the others forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+Job = Callable[[int, int, Any], Any]
+
+# Long enough for a first Inductor compile on a 2-core machine, short enough
+# that a rank that died without raising does not keep the others waiting.
+GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def _init_group(rank: int, world_size: int, device: str) -> None:
+    if device == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"rank {rank} wants GPU {local_rank} but only "
+                f"{torch.cuda.device_count()} are visible; lower --tp"
+            )
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend_for(device), rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
+    )
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, device: str, job: Job, args: Any):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    _init_group(rank, world_size, device)
+    try:
+        job(rank, world_size, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(job: Job, world_size: int, device: str, args: Any) -> None:
+    if under_torchrun():
+        env_world = int(os.environ["WORLD_SIZE"])
+        if env_world != world_size:
+            raise SystemExit(
+                f"torchrun started {env_world} ranks but --tp is {world_size}; "
+                "the world size must equal the TP size"
+            )
+        rank = int(os.environ["RANK"])
+        _init_group(rank, world_size, device)
+        try:
+            job(rank, world_size, args)
+        finally:
+            dist.destroy_process_group()
+        return
+    if device == "cuda" and torch.cuda.device_count() < world_size:
+        raise SystemExit(
+            f"--tp {world_size} needs {world_size} GPUs, "
+            f"{torch.cuda.device_count()} are visible"
+        )
+    port = free_port()
+    if world_size == 1:
+        # One rank needs no child process; a group of one keeps the code path the same.
+        _spawned_rank(0, 1, port, device, job, args)
+        return
+    mp.start_processes(
+        _spawned_rank,
+        args=(world_size, port, device, job, args),
+        nprocs=world_size,
+        join=True,
+        start_method="spawn",
+    )
