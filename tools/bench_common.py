@@ -12,6 +12,7 @@ import hashlib
 import json
 import platform
 import statistics
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -24,15 +25,23 @@ def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, barrier
 
     `barrier` (e.g. a distributed barrier) runs before every timed call so all
     ranks start together and a collective's wait is not counted as compute.
+    Without CUDA (smoke runs on CPU) the host clock is used.
     """
+    cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         if barrier is not None:
             barrier()
-            torch.cuda.synchronize()
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

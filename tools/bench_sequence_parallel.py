@@ -33,12 +33,12 @@ def job(rank: int, world: int, args) -> None:
     from minimax_backend.tools.run_job import compare_logits
 
     torch._dynamo.config.cache_size_limit = 64
-    layers = 3 + args.moe_layers
-    config = load_preset("m3-slice").replace(
-        num_hidden_layers=layers, mlp_layer_types=("dense",) * 3 + ("moe",) * args.moe_layers
-    )
+    base = load_preset(args.preset)
+    dense = len(base.dense_layers)
+    config = base.replace(num_hidden_layers=dense + args.moe_layers,
+                          mlp_layer_types=("dense",) * dense + ("moe",) * args.moe_layers)
     config.validate_for_parallel(world, args.ep)
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     model = build_model(config, ParallelState.from_world(args.ep), dtype=torch.bfloat16, device=device)
     fast_random_weights(model, seed=0)
     model.eval()
@@ -66,11 +66,12 @@ def job(rank: int, world: int, args) -> None:
             row["speedup_vs_eager"] = row["eager_ms"] / row["sp_on_ms"]
             rows.append(row)
             del eager
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     if rank == 0:
         print_table(rows, ["tokens", "eager_ms", "sp_off_ms", "sp_on_ms", "speedup_sp", "speedup_vs_eager",
                            "sp_on_rel_err", "sp_on_argmax"],
-                    title=f"prefill, m3-slice 3 dense + {args.moe_layers} MoE layers, TP {world} EP {args.ep}, "
+                    title=f"prefill, {args.preset} {dense} dense + {args.moe_layers} MoE layers, TP {world} EP {args.ep}, "
                           f"codegen {args.codegen}, medians of {args.repeats}")
         if args.json:
             write_json(args.json, {"benchmark": "sequence_parallel_prefill", "tp": world, "ep": args.ep,
@@ -87,14 +88,16 @@ def main(argv=None) -> None:
     p.add_argument("--codegen", choices=["fx", "inductor"], default="inductor")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--preset", default="m3-slice", help="model shape (tiny-m3 for a CPU smoke run)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs CUDA GPUs")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs CUDA GPUs (--device cpu for a smoke run)")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     from minimax_backend.tools.launch import run_on_ranks
 
-    run_on_ranks(job, args.tp, "cuda", args)
+    run_on_ranks(job, args.tp, args.device, args)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ def cmd_make_checkpoint(a) -> None:
 def _run_args(a, compile_only: bool):
     from minimax_backend.tools.run_job import RunArgs
 
+    options = _options(a.options)  # a typo fails before any work
     checkpoint = Path(a.checkpoint) if a.checkpoint else default_checkpoint()
     if not (checkpoint / "config.json").is_file():
         raise SystemExit(f"--checkpoint {checkpoint}: no config.json there")
@@ -98,7 +99,7 @@ def _run_args(a, compile_only: bool):
     return RunArgs(
         checkpoint=str(checkpoint), tp=a.tp, ep=a.ep, tokens=a.tokens, batch=a.batch,
         dtype=a.dtype, decode_steps=0 if compile_only else a.decode_steps,
-        options=_options(a.options), dump=a.dump, save_logits=getattr(a, "save_logits", None),
+        options=options, dump=a.dump, save_logits=getattr(a, "save_logits", None),
         json_path=getattr(a, "json", None), device=a.device, seed=a.seed,
         repeats=getattr(a, "repeats", 1), compile_only=compile_only,
     )

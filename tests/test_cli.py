@@ -1,0 +1,76 @@
+"""`minimax-compile` end to end, as a user runs it (a subprocess per command)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args, tmp_path, timeout=600):
+    env = dict(os.environ, MINIMAX_CACHE_DIR=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, "-m", "minimax_backend.tools.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=tmp_path)
+
+
+@pytest.mark.slow
+def test_run_json_at_tp2_ep2(tmp_path):
+    report = tmp_path / "report.json"
+    logits = tmp_path / "logits.pt"
+    proc = _cli("run", "--tp", "2", "--ep", "2", "--tokens", "7", "--decode-steps", "1", "--repeats", "1",
+                "--options", '{"codegen": "fx"}', "--json", str(report), "--save-logits", str(logits),
+                "--dump", str(tmp_path / "dump"), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "writing the built-in tiny-m3 checkpoint" in proc.stdout  # first use makes it
+    assert "compiling" in proc.stdout and "passes:" in proc.stdout  # progress and summary
+    r = json.loads(report.read_text())
+    assert {"tp", "ep", "tokens", "passes", "ops_before", "ops_after", "numerics", "timings_s"} <= set(r)
+    assert (r["tp"], r["ep"], r["tokens"]) == (2, 2, 7)
+    sp = next(p for p in r["passes"] if p["name"] == "sequence_parallel")
+    assert sp["enabled"] and sp["matches"] == 7  # auto: TP 2 with EP 2
+    assert r["ops_before"]["_c10d_functional.all_reduce"] == 7
+    assert "_c10d_functional.all_reduce" not in r["ops_after"]
+    assert r["ops_after"]["_c10d_functional.reduce_scatter_tensor"] == 7
+    assert r["numerics"]["argmax_agreement"] == 1.0
+    assert r["numerics"]["max_rel_err"] < 2e-2
+    assert r["decode_numerics"]["argmax_agreement"] == 1.0
+    assert r["timings_s"]["compiled_prefill"] > 0
+    import torch
+
+    saved = torch.load(logits)
+    assert set(saved) == {"input_ids", "eager", "compiled"}
+    assert saved["input_ids"].shape == (1, 7) and saved["eager"].shape == saved["compiled"].shape
+    assert list((tmp_path / "dump").rglob("index.html"))
+
+
+def test_make_checkpoint_preset(tmp_path):
+    out = tmp_path / "ckpt"
+    proc = _cli("make-checkpoint", "--config", "tiny-m2", "--out", str(out), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "config.json").is_file()
+    assert list(out.glob("*.safetensors"))
+    assert json.loads((out / "config.json").read_text())["model_type"] == "minimax_m2"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "--options", '{"sequence_paralel": "on"}'], "sequence_parallel"),  # typo: valid keys listed
+        (["run", "--options", "[1]"], "JSON object"),
+        (["run", "--tp", "2", "--ep", "3"], "--ep 3 must"),
+        (["make-checkpoint", "--config", "no-such-preset", "--out", "x"], "neither a config file nor a preset"),
+    ],
+)
+def test_bad_input_fails_fast_with_a_message(tmp_path, args, message):
+    proc = _cli(*args, tmp_path=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout
+
+
+def test_run_checkpoint_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = _cli("run", "--checkpoint", str(tmp_path / "empty"), tmp_path=tmp_path, timeout=120)
+    assert proc.returncode != 0 and "no config.json" in proc.stderr
