@@ -148,5 +148,5 @@ def test_tp2_ep2_float32_inductor():
 
 @pytest.mark.slow
 def test_tp4_ep4_float32_prefill_and_decode():
-    results = run_multirank(_eager_vs_sp, 4, args=(4, [7, 37], "float32", "fx"), timeout=900)
+    results = run_multirank(_eager_vs_sp, 4, args=(4, [1, 7, 37, 257], "float32", "fx"), timeout=900)
     _check(results, tol=1e-4)
