@@ -104,6 +104,7 @@ class PassContext:
             group_names=tuple(groups),
             example_inputs=tuple(example_inputs),
             fake_mode=detect_fake_mode(list(example_inputs)),
+            shared={"graph_module": gm},
         )
 
     def describe(self) -> str:

@@ -1,0 +1,312 @@
+"""GEMM overlapped with the reduce-scatter of its result, over NVLink (CUDA).
+
+The fused path of ``minimax::gemm_rs`` (see kernels/gemm_rs.py). With W ranks
+and M' = M + pad rows, rank d owns output rows [d*m, (d+1)*m), m = M'/W.
+Every rank holds a symmetric-memory buffer ``sym [W, m, N]``: slot s receives
+rank s's partial sum of the rows this rank owns. One call, on rank r:
+
+    barrier (side stream)                    every peer finished reading its slots
+    for d in r+1, r+2, ..., r+W-1, r (mod W):    peers first, own rows last
+        GEMM rows of d          -> stage[d]      (main stream)
+        copy stage[d] -> rank d's sym[r]          (side stream, copy engine)
+                                                  ... while the next GEMM runs
+    own rows: GEMM straight into sym[r]
+    join side stream; barrier                every peer's pushes into sym have landed
+    out = sum over the W slots               the reduce-scatter result, [m, N]
+
+The copies are plain ``Tensor.copy_`` into the peer's buffer mapped in our
+address space, i.e. ``cudaMemcpyAsync`` on the copy engine: no SMs are taken
+from the GEMM, and no NVLink multicast / multimem instruction is used
+(``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set before the first allocation
+unless the caller set it). Every step is a stream operation (GEMM, event
+waits, memcpy, symmetric-memory barrier kernel, reduction), so the whole op
+can be captured in a CUDA graph.
+
+Buffers: one workspace per (device, group, rows per rank, N, dtype),
+allocated and rendezvoused on first use (a collective: all ranks call the op
+with the same shapes, as the graph guarantees) and kept for the life of the
+process, so pointers baked into a CUDA graph stay valid. The first call for a
+shape may not happen during CUDA-graph capture (allocation + rendezvous
+cannot be captured): run the op once before capture (torch.compile's
+cudagraph warm-up does) or call ``prepare()``; otherwise a ``RuntimeError``
+says so.
+
+torch API used (present in 2.11 and 2.13): ``torch.distributed.
+_symmetric_memory.empty / rendezvous``, and on the handle ``barrier(channel)``,
+``rank``, ``world_size``, ``get_remote_tensor`` (``get_buffer`` if absent).
+Never call ``destroy_process_group()`` after using this module on the GPU box:
+it hung there (2026-11-30).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+log = logging.getLogger("minimax")
+
+__all__ = ["fused_available", "gemm_rs_fused", "prepare", "fp8_gemm", "workspace_count"]
+
+DISABLE_ENV = "MINIMAX_GEMM_RS_FUSED"  # "0": always matmul + reduce-scatter
+
+
+# ---------------------------------------------------------------- workspaces
+@dataclass
+class _Workspace:
+    """Symmetric buffer + staging + side stream for one (group, shape, dtype)."""
+
+    rank: int
+    world: int
+    rows: int  # output rows per rank (m)
+    sym: torch.Tensor  # [W, m, N] symmetric: slot s = rank s's partial of my rows
+    peers: list  # peers[d] = rank d's `sym`, mapped here ([W, m, N])
+    stage: torch.Tensor  # [W, m, N] local: GEMM output bound for rank d (slot d; own slot unused)
+    handle: object = None  # the _SymmetricMemory handle (barrier)
+    comm: Optional[torch.cuda.Stream] = None  # side stream for the copies
+    pushes: list = field(default_factory=list)  # (dst, src) of the last call, for tests
+
+    # Stream plumbing; the CPU simulation in the tests replaces these with no-ops.
+    def barrier(self) -> None:
+        self.handle.barrier(channel=0)
+
+    def fork(self) -> None:
+        """The side stream waits for everything issued so far on the main stream."""
+        self.comm.wait_stream(torch.cuda.current_stream())
+
+    def side(self):
+        return torch.cuda.stream(self.comm)
+
+    def join(self) -> None:
+        torch.cuda.current_stream().wait_stream(self.comm)
+
+
+_WORKSPACES: dict[tuple, _Workspace] = {}
+_FUSED_OK: dict[str, bool] = {}
+
+
+def workspace_count() -> int:
+    return len(_WORKSPACES)
+
+
+def _is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _resolve_group(group_name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _torch_before(major: int, minor: int) -> bool:
+    try:
+        have = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return have < (major, minor)
+
+
+def _peer_view(handle, peer: int, shape, dtype) -> torch.Tensor:
+    # get_remote_tensor accounts for the tensor's offset inside its symmetric
+    # allocation (pooled allocations); get_buffer counts from the allocation start.
+    if hasattr(handle, "get_remote_tensor"):
+        return handle.get_remote_tensor(peer, shape, dtype)
+    return handle.get_buffer(peer, shape, dtype, 0)
+
+
+def _workspace(rows: int, n: int, dtype: torch.dtype, group_name: str, device: torch.device) -> _Workspace:
+    key = (device.index, group_name, rows, n, dtype)
+    ws = _WORKSPACES.get(key)
+    if ws is not None:
+        return ws
+    if _is_capturing():
+        raise RuntimeError(
+            f"minimax::gemm_rs: no symmetric-memory workspace yet for {rows} rows/rank x {n} {dtype} on group "
+            f"{group_name!r}, and allocating + rendezvousing one cannot happen during CUDA graph capture. Run the "
+            "op once at this token count before capturing (torch.compile's cudagraph warm-up does), or call "
+            "minimax_backend.kernels.gemm_rs_cuda.prepare(tokens, n, dtype, group_name) first."
+        )
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # we never use multicast
+    import torch.distributed._symmetric_memory as symm_mem
+
+    world = _resolve_group(group_name).size()
+    shape = (world, rows, n)
+    try:
+        if _torch_before(2, 11) and not symm_mem.is_symm_mem_enabled_for_group(group_name):
+            symm_mem.enable_symm_mem_for_group(group_name)  # needed before 2.11, deprecated since
+        sym = symm_mem.empty(shape, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(sym, group_name)  # collective over the group
+    except Exception as e:
+        raise RuntimeError(
+            f"minimax::gemm_rs: could not set up symmetric memory for group {group_name!r} ({type(e).__name__}: "
+            f"{e}). The overlapped path needs all ranks of the group on NVLink-connected GPUs of one host; set "
+            f"{DISABLE_ENV}=0 (or raise gemm_rs_min_tokens) to use matmul + reduce-scatter instead."
+        ) from e
+    if handle.world_size != world:
+        raise RuntimeError(f"minimax::gemm_rs: symmetric memory reports {handle.world_size} ranks, group has {world}")
+    peers = [sym if d == handle.rank else _peer_view(handle, d, shape, dtype) for d in range(world)]
+    ws = _Workspace(
+        rank=handle.rank, world=world, rows=rows, sym=sym, peers=peers,
+        stage=torch.empty(shape, dtype=dtype, device=device), handle=handle,
+        comm=torch.cuda.Stream(device=device),
+    )
+    _WORKSPACES[key] = ws
+    log.info("minimax: gemm_rs workspace %s x %s x %s %s on group %s (%.1f MiB symmetric)",
+             world, rows, n, dtype, group_name, sym.numel() * sym.element_size() / 2**20)
+    return ws
+
+
+def prepare(tokens: int, n: int, dtype: torch.dtype, group_name: str, device=None) -> None:
+    """Allocate the workspace for `tokens` rows (padded up to the group size) before CUDA-graph capture.
+
+    Collective: every rank of the group must call it with the same arguments."""
+    world = _resolve_group(group_name).size()
+    rows = -(-tokens // world)
+    device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    _workspace(rows, n, dtype, group_name, device)
+
+
+def fused_available(group_name: str) -> bool:
+    """Whether the symmetric-memory path can run on this group (checked once per group)."""
+    ok = _FUSED_OK.get(group_name)
+    if ok is not None:
+        return ok
+    why = None
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        why = f"{DISABLE_ENV}=0"
+    elif not torch.cuda.is_available():
+        why = "no CUDA"
+    else:
+        try:
+            import torch.distributed._symmetric_memory  # noqa: F401
+            from torch._C._distributed_c10d import _SymmetricMemory  # noqa: F401
+
+            _resolve_group(group_name)
+        except Exception as e:  # noqa: BLE001 - any failure means: use the plain path
+            why = f"{type(e).__name__}: {e}"
+    ok = why is None
+    if not ok:
+        warnings.warn(f"minimax::gemm_rs: fused path unavailable ({why}); using matmul + reduce-scatter", stacklevel=2)
+    _FUSED_OK[group_name] = ok
+    return ok
+
+
+# ------------------------------------------------------------------- the op
+def _rows_gemm(x, weight, x_scale, weight_scale, bias, out_dtype) -> Callable[[int, int, torch.Tensor], None]:
+    """gemm(lo, hi, out): out[:hi-lo] = x[lo:hi] @ weight.T (+ bias); padding rows of out = 0."""
+    from .gemm_rs import local_gemm
+
+    def gemm(lo: int, hi: int, out: torch.Tensor) -> None:
+        real = max(0, hi - lo)
+        if real:
+            dst = out[:real]
+            if x_scale is None and bias is None:
+                torch.mm(x[lo:hi], weight.t(), out=dst)
+            elif x_scale is None:
+                torch.addmm(bias.reshape(-1), x[lo:hi], weight.t(), out=dst)
+            else:
+                dst.copy_(local_gemm(x[lo:hi], weight, x_scale[lo:hi], weight_scale, bias, out_dtype))
+        if real < out.shape[0]:
+            out[real:].zero_()
+
+    return gemm
+
+
+def push_partials(ws: _Workspace, gemm: Callable[[int, int, torch.Tensor], None], tokens: int) -> None:
+    """Compute every row block and send it to its owner's slot [my rank]; own block last, in place."""
+    ws.pushes = []
+    for step in range(1, ws.world + 1):
+        d = (ws.rank + step) % ws.world
+        lo, hi = d * ws.rows, min((d + 1) * ws.rows, tokens)
+        if d == ws.rank:
+            gemm(lo, hi, ws.sym[ws.rank])
+            continue
+        gemm(lo, hi, ws.stage[d])
+        ws.fork()
+        with ws.side():
+            ws.peers[d][ws.rank].copy_(ws.stage[d], non_blocking=True)
+        ws.pushes.append((d, ws.rank))
+
+
+def reduce_slots(ws: _Workspace) -> torch.Tensor:
+    """Sum of the W partials of my rows (a new tensor: `sym` is reused by the next call)."""
+    if ws.world == 2:
+        return torch.add(ws.sym[0], ws.sym[1])
+    return ws.sym.sum(dim=0)  # fp32 accumulation, one rounding
+
+
+def gemm_rs_fused(x, weight, x_scale, weight_scale, bias, pad_rows: int, group_size: int, group_name: str,
+                  out_dtype=None) -> torch.Tensor:
+    tokens, n = x.shape[0], weight.shape[0]
+    rows = (tokens + pad_rows) // group_size
+    dtype = out_dtype or x.dtype
+    ws = _workspace(rows, n, dtype, group_name, x.device)
+    if ws.world != group_size:
+        raise RuntimeError(f"minimax::gemm_rs: group {group_name!r} has {ws.world} ranks, the op says {group_size}")
+    gemm = _rows_gemm(x, weight, x_scale, weight_scale, bias, dtype)
+    # Before the first push, every rank must be done reading its slots (the
+    # previous call's reduction). That barrier runs on the side stream, after
+    # it waits for our own earlier work, so the first GEMM need not wait for
+    # the slowest rank: the GEMMs only write local memory.
+    ws.fork()
+    with ws.side():
+        ws.barrier()
+    push_partials(ws, gemm, tokens)
+    ws.join()
+    ws.barrier()  # every peer's copies into my slots are complete
+    return reduce_slots(ws)
+
+
+# ---------------------------------------------------------------- FP8 GEMM
+_SCALED_MM_OK: dict[tuple, bool] = {}
+
+
+def _scaled_mm_blockwise(xq, xs, w, ws, out_dtype):
+    # cuBLAS 1x128 (activation) x 128x128 (weight) block scaling, sm_90:
+    # scale_a [M, K/128] outer-dim-major, scale_b [K/128, N/128].
+    return torch._scaled_mm(xq, w.t(), scale_a=xs.t().contiguous().t(), scale_b=ws.t(), out_dtype=out_dtype)
+
+
+def fp8_gemm(xq, xs, w, ws, out_dtype):
+    """FP8 block GEMM on CUDA, for one row block or the whole activation.
+
+    The project's CUDA FP8 GEMM (kernels/fp8_gemm_cuda.py: blockwise
+    `_scaled_mm`, Triton fallback) when it is there. Otherwise cuBLAS
+    blockwise `_scaled_mm` where it applies (probed once per shape outside
+    CUDA-graph capture and compared with the reference; an unprobed shape
+    during capture uses the reference), else minimax::fp8_block_gemm.
+    Once minimax::fp8_block_gemm has its CUDA kernel registered, all of this
+    can become a call to the op.
+    """
+    try:
+        from .fp8_gemm_cuda import fp8_block_gemm_cuda
+    except ImportError:
+        fp8_block_gemm_cuda = None
+    if fp8_block_gemm_cuda is not None:
+        return fp8_block_gemm_cuda(xq, xs, w, ws, out_dtype)
+    m, k = xq.shape
+    n = w.shape[0]
+    fits = (
+        torch.cuda.get_device_capability(xq.device) == (9, 0)
+        and out_dtype == torch.bfloat16
+        and k % 128 == 0 and n % 128 == 0 and xs.shape[-1] == k // 128
+        and xq.is_contiguous() and w.is_contiguous() and ws.is_contiguous()
+    )
+    key = (m, n, k, xq.device.index)
+    if fits and key not in _SCALED_MM_OK and not _is_capturing():
+        try:
+            got = _scaled_mm_blockwise(xq, xs, w, ws, out_dtype)
+            want = torch.ops.minimax.fp8_block_gemm(xq[:64], xs[:64], w, ws, out_dtype)
+            err = (got[:64].float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)
+            _SCALED_MM_OK[key] = bool(err < 2e-2)
+        except RuntimeError as e:
+            log.info("minimax: blockwise _scaled_mm unavailable for %s: %s", key, e)
+            _SCALED_MM_OK[key] = False
+    if fits and _SCALED_MM_OK.get(key):
+        return _scaled_mm_blockwise(xq, xs, w, ws, out_dtype)
+    return torch.ops.minimax.fp8_block_gemm(xq, xs, w, ws, out_dtype)

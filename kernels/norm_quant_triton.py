@@ -1,0 +1,250 @@
+"""Triton kernel of `minimax::rms_norm_quant_fp8` (see kernels/norm_quant.py).
+
+One program handles ROWS rows (ROWS = 1 at the served width, hidden 6144; more
+for narrow rows so a program still moves a useful number of bytes). A row is
+held as a [NG, G] tile (NG = next power of two >= K / G groups), so the
+per-group amax is a reduction along axis 1 and the row's sum of squares a
+reduction over the whole tile. All math is float32:
+
+    h      = x (+ residual), rounded to x.dtype           (written when asked)
+    rstd   = rsqrt(sum(h * h) / K + eps)
+    y      = Gemma: round(h * rstd * (1 + w));  plain: round(round(h * rstd) * w)
+    scale  = 2 ** ceil(log2(max(amax(|y| per group), 1e-30) / 448))
+    q      = fp8_e4m3(clamp(y / scale, -448, 448))
+
+where round() is to x.dtype, as the model's casts do. Two choices keep it
+bit-equal to the reference wherever the reference itself is well defined:
+
+* the power-of-two scale is built from the float32 exponent bits (exact),
+  not through log2 / exp2 (approximate on the GPU); divisions are IEEE
+  (div_rn) and rstd = 1 / sqrt_rn(var), which is what torch's CPU rsqrt gives;
+* float32 -> bfloat16 rounding is done with integer ops (round to nearest
+  even), which is what the hardware cvt.rn does on the GPU and what the
+  Triton interpreter gets wrong (it truncates): the CPU tests under
+  TRITON_INTERPRET=1 then check the very code the GPU runs.
+
+What can differ from the CPU reference is the summation order of sum(h * h)
+(a tree here, vectorized lanes in torch), so on arbitrary inputs y may
+differ by one rounding in rare elements. Tests use
+inputs whose sums are exact to check bit equality, and bound the rest.
+
+The reference's scale, exp2(ceil(log2(amax / 448))), can come out one power
+of two low when amax / 448 is within an ulp or two above a power of two
+(float32 log2 rounds back onto the integer); the exponent-bit scale does not.
+That cannot happen when y is bfloat16 (amax / 448 is then never that close
+to a power of two), only for float32 y, with odds of about 2**-22 per group.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .fp8 import FP8_DTYPE
+
+try:  # Triton is optional: CPU installs without it use the reference only.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+__all__ = ["HAVE_TRITON", "supported", "rms_norm_quant_fp8_triton", "quantize_fp8_triton", "launch_config"]
+
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def supported(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, group_size: int) -> bool:
+    """Whether the Triton kernel handles these inputs (else the caller uses the reference)."""
+    if not HAVE_TRITON:
+        return False
+    if not (x.is_cuda or _interpreting()):
+        return False
+    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+        return False
+    if x.numel() == 0 or x.shape[-1] % group_size:
+        return False
+    return residual is None or residual.dtype == x.dtype
+
+
+def launch_config(k: int, group_size: int, m: int) -> dict:
+    """Rows per program and warps for a row of K values (a heuristic; the benchmark sweeps warps)."""
+    ng = triton.next_power_of_2(k // group_size)
+    tile = ng * group_size
+    rows = max(1, min(16, 2048 // tile))  # narrow rows: several per program
+    warps = 1 if tile <= 256 else 2 if tile <= 512 else 4 if tile <= 2048 else 8 if tile <= 8192 else 16
+    return {"ROWS": rows, "NG": ng, "num_warps": warps}
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _round_to_bf16(v):
+        """float32 -> the nearest bfloat16 value (ties to even), still as float32 (finite inputs)."""
+        bits = v.to(tl.int32, bitcast=True)
+        lsb = (bits >> 16) & 1
+        bits = (bits + 0x7FFF + lsb) & -65536  # -65536 == 0xFFFF0000 as int32
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _rms_norm_quant_fp8_kernel(
+        x_ptr, res_ptr, w_ptr,
+        q_ptr, s_ptr, y_ptr, r_ptr,
+        M, K_f, n_groups,
+        stride_x, stride_res, stride_q, stride_s, stride_y, stride_r,
+        eps,
+        G: tl.constexpr,
+        NG: tl.constexpr,
+        ROWS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        GEMMA: tl.constexpr,
+        WANT_Y: tl.constexpr,
+        ROUND_BF16: tl.constexpr,
+        NORM: tl.constexpr,
+    ):
+        # NORM=False: quantization only (minimax::quantize_fp8 of x): y = x.
+        pid = tl.program_id(0)
+        grp = tl.arange(0, NG)[:, None]
+        col = grp * G + tl.arange(0, G)[None, :]
+        cmask = col < n_groups * G  # [NG, G]: the padded groups are masked out
+        if NORM:
+            w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+            if GEMMA:
+                w1 = 1.0 + w
+        for i in tl.static_range(ROWS):
+            row = pid * ROWS + i
+            # (the row test is broadcast to the tile explicitly: the interpreter rejects a scalar & tile mask)
+            mask = cmask & ((col * 0 + row) < M)
+            row64 = row.to(tl.int64)
+            h = tl.load(x_ptr + row64 * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                h = h + tl.load(res_ptr + row64 * stride_res + col, mask=mask, other=0.0).to(tl.float32)
+                if ROUND_BF16:
+                    h = _round_to_bf16(h)
+                tl.store(r_ptr + row64 * stride_r + col, h.to(r_ptr.dtype.element_ty), mask=mask)
+            y = h
+            if NORM:
+                ss = tl.sum(tl.sum(h * h, axis=1), axis=0)
+                # IEEE division as torch's mean; rsqrt as torch computes it on the CPU: an
+                # IEEE sqrt, then an IEEE division (measured equal on 2**20 values), not the
+                # GPU's approximate rsqrt. Once per row: free.
+                var = tl.math.div_rn(ss, K_f) + eps
+                rstd = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.math.sqrt_rn(var))
+                normed = h * rstd
+                if GEMMA:
+                    y = normed * w1
+                    if ROUND_BF16:
+                        y = _round_to_bf16(y)
+                else:
+                    if ROUND_BF16:
+                        normed = _round_to_bf16(normed)
+                    y = normed * w
+                    if ROUND_BF16:
+                        y = _round_to_bf16(y)
+            if WANT_Y:
+                tl.store(y_ptr + row64 * stride_y + col, y.to(y_ptr.dtype.element_ty), mask=mask)
+            # One power-of-two scale per group: 2 ** ceil(log2(amax / 448)) from the exponent bits.
+            amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-30)  # [NG]
+            v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            vb = v.to(tl.int32, bitcast=True)
+            e = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the scale
+            scale = (e << 23).to(tl.float32, bitcast=True)
+            inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
+            q = y * inv[:, None]
+            q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+            tl.store(q_ptr + row64 * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=mask)
+            g1 = tl.arange(0, NG)
+            tl.store(s_ptr + row64 * stride_s + g1, scale, mask=(g1 < n_groups) & ((g1 * 0 + row) < M))
+
+
+def rms_norm_quant_fp8_triton(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    eps: float,
+    gemma: bool,
+    group_size: int = 128,
+    want_bf16_output: bool = False,
+    num_warps: int | None = None,
+    rows_per_program: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("rms_norm_quant_fp8_triton needs triton (pip install triton)")
+    shape, k = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    res2 = None
+    if residual is not None:
+        res2 = residual.reshape(-1, k)
+        if res2.stride(-1) != 1:
+            res2 = res2.contiguous()
+    weight = weight.contiguous()
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, k // group_size), dtype=torch.float32, device=x.device)
+    y = torch.empty((m, k), dtype=x.dtype, device=x.device) if want_bf16_output else x.new_empty(0)
+    r = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else x.new_empty(0)
+    cfg = launch_config(k, group_size, m)
+    rows = rows_per_program or cfg["ROWS"]
+    if m > 0:
+        grid = (triton.cdiv(m, rows),)
+        _rms_norm_quant_fp8_kernel[grid](
+            x2, res2 if res2 is not None else x2, weight,
+            q, s, y if want_bf16_output else q, r if residual is not None else q,
+            m, float(k), k // group_size,
+            x2.stride(0), res2.stride(0) if res2 is not None else 0, q.stride(0), s.stride(0),
+            y.stride(0) if want_bf16_output else 0, r.stride(0) if residual is not None else 0,
+            float(eps),
+            G=group_size, NG=cfg["NG"], ROWS=rows,
+            HAS_RESIDUAL=residual is not None, GEMMA=bool(gemma), WANT_Y=bool(want_bf16_output),
+            ROUND_BF16=x.dtype == torch.bfloat16, NORM=True,
+            num_warps=num_warps or cfg["num_warps"],
+        )
+    q = q.reshape(shape)
+    s = s.reshape(*shape[:-1], k // group_size)
+    if want_bf16_output:
+        y = y.reshape(shape)
+    if residual is not None:
+        r = r.reshape(shape)
+    return q, s, y, r
+
+
+def quantize_fp8_triton(x: torch.Tensor, group_size: int = 128, num_warps: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`minimax::quantize_fp8` by the same kernel without the norm (CUDA, or the interpreter).
+
+    Equal to kernels/fp8.py:quantize_fp8_reference bit for bit (no reduction
+    order is involved); for the quantizations the fusion leaves standing (after
+    a BF16 all-gather, o_proj / down_proj inputs)."""
+    if not HAVE_TRITON:
+        raise RuntimeError("quantize_fp8_triton needs triton (pip install triton)")
+    shape, k = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, k // group_size), dtype=torch.float32, device=x.device)
+    cfg = launch_config(k, group_size, m)
+    if m > 0:
+        _rms_norm_quant_fp8_kernel[(triton.cdiv(m, cfg["ROWS"]),)](
+            x2, x2, x2, q, s, q, q,
+            m, float(k), k // group_size,
+            x2.stride(0), 0, q.stride(0), s.stride(0), 0, 0,
+            0.0,
+            G=group_size, NG=cfg["NG"], ROWS=cfg["ROWS"],
+            HAS_RESIDUAL=False, GEMMA=False, WANT_Y=False, ROUND_BF16=False, NORM=False,
+            num_warps=num_warps or cfg["num_warps"],
+        )
+    return q.reshape(shape), s.reshape(*shape[:-1], k // group_size)

@@ -1,0 +1,166 @@
+"""minimax::gemm_rs on 2 GPUs (NCCL + symmetric memory): the overlapped path
+against matmul + reduce-scatter, CUDA-graph capture and replay, and a model
+compiled through the backend. Skipped without two CUDA GPUs.
+
+Ranks are spawned here (not with tests/multirank.py, which is gloo on CPU),
+and they end with os._exit after reporting: destroy_process_group() hung on
+the GPU box once symmetric memory had been used.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, check_name, results):
+    status, payload = "ok", None
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+        import minimax_backend.kernels  # noqa: F401
+
+        payload = globals()[check_name](rank, world, dist.group.WORLD.group_name)
+        torch.cuda.synchronize()
+        dist.barrier()
+    except BaseException:  # noqa: BLE001
+        status, payload = "error", traceback.format_exc()
+    results.put((rank, status, payload))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # no destroy_process_group (see module docstring)
+
+
+def _run(check_name: str, timeout: float = 300.0):
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, WORLD, port, check_name, results), daemon=True)
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        while len(out) < WORLD:
+            try:
+                rank, status, payload = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"{check_name}: ranks {sorted(set(range(WORLD)) - set(out))} did not report")
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(WORLD)]
+
+
+def _inputs(rank, tokens, k, n, fp8, device):
+    from minimax_backend.kernels.fp8 import quantize_weight_fp8
+
+    g = torch.Generator(device=device).manual_seed(1000 * rank + tokens)
+    x = torch.randn(tokens, k, device=device, generator=g, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=device, generator=g) / k**0.5).bfloat16()
+    if not fp8:
+        return (x, w, None, None, None), None
+    xq, xs = torch.ops.minimax.quantize_fp8(x, 128)
+    wq, ws = quantize_weight_fp8(w.float())
+    return (xq, wq, xs, ws, None), torch.bfloat16
+
+
+def check_fused_equals_unfused(rank, world, group):
+    from minimax_backend.kernels import gemm_rs_cuda
+
+    device = torch.device("cuda", rank)
+    diffs = {}
+    for fp8 in (False, True):
+        for tokens in (37, 1000, 4099):  # odd counts: padded to a multiple of the world size
+            args, out_dtype = _inputs(rank, tokens, 512, 768, fp8, device)
+            pad = -(-tokens // world) * world - tokens
+            fused = torch.ops.minimax.gemm_rs(*args, pad, 0, world, group, out_dtype=out_dtype)
+            plain = torch.ops.minimax.gemm_rs(*args, pad, 1 << 30, world, group, out_dtype=out_dtype)
+            assert fused.shape == plain.shape == ((tokens + pad) // world, 768)
+            torch.testing.assert_close(fused, plain, rtol=1.6e-2, atol=1e-2)
+            diffs[f"{'fp8' if fp8 else 'bf16'}_{tokens}"] = (fused.float() - plain.float()).abs().max().item()
+    assert gemm_rs_cuda.workspace_count() > 0, "the fused path never ran"
+    return diffs
+
+
+def check_cuda_graph_capture_and_replay(rank, world, group):
+    device = torch.device("cuda", rank)
+    args, _ = _inputs(rank, 4096, 1024, 1024, False, device)
+    x, w = args[0], args[1]
+    op = lambda: torch.ops.minimax.gemm_rs(x, w, None, None, None, 0, 0, world, group)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture: allocates the workspace
+        op()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = op()
+    diffs = []
+    for trial in range(3):
+        x.copy_(torch.randn_like(x))
+        dist.barrier()
+        graph.replay()
+        want = torch.ops.minimax.gemm_rs(x, w, None, None, None, 0, 1 << 30, world, group)
+        torch.testing.assert_close(out, want, rtol=1.6e-2, atol=1e-2)
+        diffs.append((out.float() - want.float()).abs().max().item())
+    return diffs
+
+
+def check_compiled_model(rank, world, group):
+    import minimax_backend.graph_passes as gp
+    from test_gemm_rs_numerics import VOCAB, ToySP
+
+    results = {}
+    for cudagraphs in (False, True):
+        model = ToySP(rank, world, group, fp8_o_proj=True).cuda()
+        ids = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(0)).cuda()
+        torch._dynamo.reset()
+        compiled = gp.compile(model, codegen="inductor", cudagraphs=cudagraphs, strict=True, sequence_parallel="on",
+                              moe_canonicalize="off", fuse_norm_quant="off", moe_lower="off", gemm_rs_min_tokens=0)
+        with torch.no_grad():
+            eager = model(ids)
+            for _ in range(3):  # cudagraph trees: warm-up, record, replay
+                out = compiled(ids)
+                torch.testing.assert_close(out, eager, rtol=1e-3, atol=1e-3)
+        rep = gp.last_compile_report()
+        assert rep["ops_after"]["minimax.gemm_rs"] == 2, rep["ops_after"]
+        results[f"cudagraphs={cudagraphs}"] = (out - eager).abs().max().item()
+    return results
+
+
+def test_fused_equals_unfused():
+    for diffs in _run("check_fused_equals_unfused"):
+        print(diffs)
+
+
+def test_cuda_graph_capture_and_replay():
+    print(_run("check_cuda_graph_capture_and_replay"))
+
+
+def test_compiled_model_with_and_without_cudagraphs():
+    print(_run("check_compiled_model"))

@@ -1,0 +1,112 @@
+"""The overlapped GEMM-RS schedule of kernels/gemm_rs_cuda.py, checked on CPU.
+
+The CUDA kernel is a schedule of ordinary tensor ops (row-block GEMMs, copies
+into the peers' symmetric buffers, a sum over slots) around two barriers and
+a side stream. Here W ranks are simulated in one process: the "symmetric
+buffers" are plain tensors that every simulated rank can write, barriers and
+streams are no-ops, and the push phase of every rank runs before any rank
+reduces (which is what the barrier guarantees on the GPU). That checks the
+indexing (who owns which rows, which slot a push lands in, padding rows) for
+any world size, including the 4 and 8 the GPU box cannot test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minimax_backend.kernels import gemm_rs_cuda
+from minimax_backend.kernels.fp8 import quantize_weight_fp8
+
+
+class SimWorkspace(gemm_rs_cuda._Workspace):
+    def barrier(self):
+        pass
+
+    def fork(self):
+        pass
+
+    def side(self):
+        return contextlib.nullcontext()
+
+    def join(self):
+        pass
+
+
+def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biases=None, out_dtype=None):
+    rows = -(-tokens // world)
+    dtype = out_dtype or xs[0].dtype
+    syms = [torch.full((world, rows, weights[0].shape[0]), float("nan"), dtype=dtype) for _ in range(world)]
+    workspaces = [
+        SimWorkspace(rank=r, world=world, rows=rows, sym=syms[r], peers=syms,
+                     stage=torch.full_like(syms[r], float("nan")))
+        for r in range(world)
+    ]
+    for r, ws in enumerate(workspaces):
+        gemm = gemm_rs_cuda._rows_gemm(xs[r], weights[r], None if x_scales is None else x_scales[r],
+                                       None if w_scales is None else w_scales[r],
+                                       None if biases is None else biases[r], dtype)
+        gemm_rs_cuda.push_partials(ws, gemm, tokens)
+        # every peer got exactly one push from this rank, into slot [r]
+        assert sorted(ws.pushes) == [(d, r) for d in range(world) if d != r]
+    return [gemm_rs_cuda.reduce_slots(ws) for ws in workspaces]
+
+
+def _reference(partials, tokens, world):
+    pad = -(-tokens // world) * world - tokens
+    full = torch.stack([F.pad(p, (0, 0, 0, pad)) for p in partials])  # [W (source), M', N]
+    return list(full.sum(0).chunk(world)) if world > 2 else list((full[0] + full[1]).chunk(world))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("tokens", [1, 7, 37, 64])
+def test_schedule_matches_reduce_scatter(world, tokens):
+    # small integers: every sum is exact, whatever order a GEMM or reduction adds in
+    g = torch.Generator().manual_seed(world * 100 + tokens)
+    ints = lambda *shape: torch.randint(-3, 4, shape, generator=g).float()  # noqa: E731
+    xs = [ints(tokens, 32) for _ in range(world)]
+    ws = [ints(24, 32) for _ in range(world)]
+    bs = [ints(24) for _ in range(world)]
+    got = _simulate(xs, ws, tokens, world)
+    want = _reference([x @ w.t() for x, w in zip(xs, ws)], tokens, world)
+    for r in range(world):
+        assert torch.equal(got[r], want[r]), (r, (got[r] - want[r]).abs().max())
+    got = _simulate(xs, ws, tokens, world, biases=bs)
+    want = _reference([torch.addmm(b, x, w.t()) for x, w, b in zip(xs, ws, bs)], tokens, world)
+    for r in range(world):
+        assert torch.equal(got[r], want[r])
+
+
+def test_schedule_fp8():
+    world, tokens = 4, 37
+    g = torch.Generator().manual_seed(0)
+    xs, xss, wqs, wss = [], [], [], []
+    for _ in range(world):
+        q, s = torch.ops.minimax.quantize_fp8(torch.randn(tokens, 256, generator=g), 128)
+        wq, ws = quantize_weight_fp8(torch.randn(128, 256, generator=g))
+        xs.append(q), xss.append(s), wqs.append(wq), wss.append(ws)
+    got = _simulate(xs, wqs, tokens, world, x_scales=xss, w_scales=wss, out_dtype=torch.float32)
+    want = _reference([torch.ops.minimax.fp8_block_gemm(*a, torch.float32) for a in zip(xs, xss, wqs, wss)],
+                      tokens, world)
+    for r in range(world):  # the row-block GEMMs may add in another order than one big GEMM
+        torch.testing.assert_close(got[r], want[r], rtol=1e-5, atol=1e-4)
+
+
+def test_first_call_during_capture_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(gemm_rs_cuda, "_is_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot happen during CUDA graph capture.*prepare"):
+        gemm_rs_cuda._workspace(19, 256, torch.bfloat16, "not-a-group", torch.device("cuda", 0))
+    assert gemm_rs_cuda.workspace_count() == 0
+
+
+def test_cpu_never_takes_the_fused_path(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("fused path on CPU")
+
+    monkeypatch.setattr(gemm_rs_cuda, "gemm_rs_fused", boom)
+    x, w = torch.randn(5, 16), torch.randn(8, 16)
+    out = torch.ops.minimax.gemm_rs(x, w, None, None, None, 0, 0, 1, "unused")
+    assert torch.equal(out, x @ w.t())

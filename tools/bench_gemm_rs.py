@@ -1,0 +1,237 @@
+"""GEMM + reduce-scatter on tp GPUs: minimax::gemm_rs against the alternatives.
+
+    python -m minimax_backend.tools.bench_gemm_rs --tp 2 --json gemm_rs.json
+
+For N = 6144 (hidden), K in {2048, 4096, 6144} (o_proj / down_proj inputs at
+TP 4 and TP 2 of MiniMax-M3) and M (tokens) from 128 to 32768, in BF16 and
+FP8 (1x128 activation, 128x128 weight block scales), every rank times:
+
+    gemm      the local GEMM alone (the floor)
+    mm_rs     GEMM + NCCL reduce-scatter (functional collective): the unfused graph
+    ours      minimax::gemm_rs, overlapped path (min_tokens = 0)
+    torch     torch.ops.symm_mem.fused_matmul_reduce_scatter
+              (fused_scaled_matmul_reduce_scatter for FP8; "-" where it fails)
+
+Medians of CUDA-event timings after warm-up, all ranks started together by a
+barrier; by default each call is captured in a CUDA graph and replayed (how
+the model runs: no CPU launch cost), `--eager` times plain calls. Prints one
+progress line per shape, the table, the smallest M at which ours beats
+mm_rs from there on for each K (the `gemm_rs_min_tokens` recommendation), and
+writes JSON with the hardware. Exits with os._exit after a final barrier:
+destroy_process_group() hung on the GPU box after symmetric memory was used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+N = 6144
+KS = (2048, 4096, 6144)
+MS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+METHODS = ("gemm", "mm_rs", "ours", "torch")
+
+
+def _log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(f"[bench_gemm_rs {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _captured(fn):
+    """fn captured in a CUDA graph (after two warm-up calls that allocate workspaces)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _methods(x, w, fp8_args, world, group):
+    """{name: callable} for one shape; fp8_args = (xq, xs, wq, ws) or None."""
+    from minimax_backend.kernels.gemm_rs import local_gemm
+
+    c10d = torch.ops._c10d_functional
+    if fp8_args is None:
+        a, b, a_s, b_s, out_dtype = x, w, None, None, None
+    else:
+        a, a_s, b, b_s = fp8_args
+        out_dtype = torch.bfloat16
+
+    def gemm():
+        return local_gemm(a, b, a_s, b_s, None, out_dtype)
+
+    def mm_rs():
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(gemm(), "sum", world, group))
+
+    def ours():
+        return torch.ops.minimax.gemm_rs(a, b, a_s, b_s, None, 0, 0, world, group, out_dtype=out_dtype)
+
+    if fp8_args is None:
+        def torch_fused():
+            return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w.t(), "sum", 0, group)
+    else:
+        def torch_fused():  # torch shards A_scale by rows itself (it makes it row-major)
+            return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+                a, b.t(), a_s, b_s.t(), "sum", 0, 0, group, [a.shape[0], b.shape[0]], out_dtype=torch.bfloat16)
+
+    return {"gemm": gemm, "mm_rs": mm_rs, "ours": ours, "torch": torch_fused}
+
+
+def _time(fn, args) -> float | None:
+    from minimax_backend.tools.bench_common import median_ms
+
+    if args.eager:
+        fn()
+        return median_ms(fn, args.warmup, args.repeats, dist.barrier) * 1e3
+    graph = _captured(fn)
+    try:
+        return median_ms(graph.replay, args.warmup, args.repeats, dist.barrier) * 1e3
+    finally:
+        del graph
+
+
+def _all_ok(ok: bool) -> bool:
+    """True only if every rank says ok (so all ranks skip a failing method together)."""
+    flag = torch.tensor([0 if ok else 1], device="cuda")
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+def _thresholds(rows, dtype):
+    """{K: smallest M from which ours beats mm_rs at every larger M measured (None: never)}."""
+    out = {}
+    for k in sorted({r["K"] for r in rows if r["dtype"] == dtype}):
+        series = sorted((r for r in rows if r["dtype"] == dtype and r["K"] == k), key=lambda r: r["M"])
+        best = None
+        for r in reversed(series):
+            if r["ours_us"] is None or r["mm_rs_us"] is None or r["ours_us"] >= r["mm_rs_us"]:
+                break
+            best = r["M"]
+        out[k] = best
+    return out
+
+
+def job(rank: int, world: int, args) -> None:
+    from minimax_backend.kernels.fp8 import quantize_weight_fp8
+    from minimax_backend.tools.bench_common import print_table, write_json
+
+    t0 = time.time()
+    device = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD.group_name
+    rows, failures = [], set()
+    total = len(args.dtypes) * len(args.k) * len(args.m)
+    for dtype in args.dtypes:
+        for k in args.k:
+            g = torch.Generator(device=device).manual_seed(1000 * rank + k)
+            w = (torch.randn(N, k, device=device, generator=g) / k**0.5).bfloat16()
+            wq_ws = quantize_weight_fp8(w.float()) if dtype == "fp8" else None
+            for m in args.m:
+                x = torch.randn(m, k, device=device, generator=g, dtype=torch.bfloat16)
+                fp8_args = None
+                if dtype == "fp8":
+                    xq, xs = torch.ops.minimax.quantize_fp8(x, 128)
+                    fp8_args = (xq, xs, *wq_ws)
+                fns = _methods(x, w, fp8_args, world, group)
+                row = {"dtype": dtype, "K": k, "M": m, "N": N}
+                outs = {}
+                for name in METHODS:
+                    us, err = None, None
+                    try:
+                        outs[name] = fns[name]()
+                        torch.cuda.synchronize()
+                        us = _time(fns[name], args)
+                    except Exception as e:  # noqa: BLE001
+                        err = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                    if not _all_ok(err is None):  # every rank drops the number together
+                        if (dtype, name, err) not in failures:
+                            _log(rank, f"{dtype} {name} failed at K={k} M={m}: {err or 'on another rank'}")
+                        failures.add((dtype, name, err))
+                        us = None
+                    row[f"{name}_us"] = us
+                if "ours" in outs and "mm_rs" in outs:
+                    row["max_abs_diff"] = (outs["ours"].float() - outs["mm_rs"].float()).abs().max().item()
+                r = row
+                r["ours_vs_mm_rs"] = r["mm_rs_us"] / r["ours_us"] if r["ours_us"] and r["mm_rs_us"] else None
+                r["ours_vs_torch"] = r["torch_us"] / r["ours_us"] if r["ours_us"] and r["torch_us"] else None
+                rows.append(row)
+                del outs, fns, x, fp8_args
+                fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+                _log(rank, f"[{len(rows)}/{total}] {dtype} K={k} M={m}: gemm {fmt(r['gemm_us'])} us, mm+RS "
+                           f"{fmt(r['mm_rs_us'])}, ours {fmt(r['ours_us'])}, torch {fmt(r['torch_us'])}"
+                           + (f", ours {r['ours_vs_mm_rs']:.2f}x vs mm+RS" if r["ours_vs_mm_rs"] else ""))
+            torch.cuda.empty_cache()
+
+    thresholds = {d: _thresholds(rows, d) for d in args.dtypes}
+    safe = [m for per_k in thresholds.values() for m in per_k.values()]
+    recommended = max(safe) if safe and None not in safe else None
+    targets = {}
+    for d in args.dtypes:
+        big = [r["ours_vs_mm_rs"] for r in rows if r["dtype"] == d and r["M"] >= 4096 and r["ours_vs_mm_rs"]]
+        vs_torch = [r["ours_vs_torch"] for r in rows if r["dtype"] == d and r["M"] >= 1024 and r["ours_vs_torch"]]
+        targets[d] = {"min_speedup_vs_mm_rs_at_M>=4096": min(big) if big else None,
+                      "min_speedup_vs_torch_at_M>=1024": min(vs_torch) if vs_torch else None}
+    if rank == 0:
+        mode = "eager calls" if args.eager else "CUDA-graph replays"
+        print_table(rows, ["dtype", "K", "M", "gemm_us", "mm_rs_us", "ours_us", "torch_us", "ours_vs_mm_rs",
+                           "ours_vs_torch", "max_abs_diff"],
+                    title=f"GEMM + reduce-scatter, N={N}, {world} GPUs, medians of {args.repeats} {mode} (us)")
+        for d, per_k in thresholds.items():
+            for k, m in per_k.items():
+                print(f"threshold {d} K={k}: ours beats matmul + reduce-scatter from M = {m} on"
+                      if m is not None else f"threshold {d} K={k}: ours does not win at the largest M measured")
+        print(f"recommended gemm_rs_min_tokens: {recommended} (largest per-K threshold, {world} GPUs)")
+        for d, t in targets.items():
+            print(f"targets {d}: {t}")
+        if args.json:
+            write_json(args.json, {"benchmark": "gemm_reduce_scatter", "world": world, "N": N, "mode": mode,
+                                   "warmup": args.warmup, "repeats": args.repeats, "rows": rows,
+                                   "thresholds": thresholds, "recommended_min_tokens": recommended,
+                                   "targets": targets, "seconds": time.time() - t0})
+        print(f"done in {time.time() - t0:.0f}s", flush=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip destroy_process_group(): it hung after symmetric memory on the GPU box
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=2, help="ranks = GPUs (default 2)")
+    p.add_argument("--k", type=int, nargs="+", default=list(KS))
+    p.add_argument("--m", type=int, nargs="+", default=list(MS))
+    p.add_argument("--dtypes", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--eager", action="store_true", help="time plain calls instead of CUDA-graph replays")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs CUDA GPUs")
+    if args.tp < 2:
+        raise SystemExit("--tp must be at least 2: a reduce-scatter needs two ranks")
+    bad = [m for m in args.m if m % args.tp]
+    if bad:
+        raise SystemExit(f"--m values must divide by --tp {args.tp}: {bad}")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    from minimax_backend.tools.launch import run_on_ranks
+
+    run_on_ranks(job, args.tp, "cuda", args)
+
+
+if __name__ == "__main__":
+    main()
