@@ -118,7 +118,7 @@ def _region_kind(rs_input: fx.Node, stop: set[fx.Node]) -> str:
         todo.extend(n.all_input_nodes)
     if aten.embedding.default in targets:
         return "embedding"
-    if aten.topk.default in targets:
+    if aten.topk.default in targets or any(str(t).startswith("minimax.moe") for t in targets):
         return "moe"
     if any("scaled_dot_product" in str(t) for t in targets):
         return "attention"

@@ -45,12 +45,11 @@ except ImportError:  # pragma: no cover
     tl = None
     HAVE_TRITON = False
 
-__all__ = ["fp8_block_gemm_cuda", "fp8_block_gemm_scaled_mm", "fp8_block_gemm_triton", "HAVE_TRITON"]
+__all__ = ["fp8_block_gemm_cuda", "fp8_block_gemm_scaled_mm", "scaled_mm_supports", "fp8_block_gemm_triton", "HAVE_TRITON"]
 
 WEIGHT_BLOCK = 128
 _SCALED_MM_BROKEN: set[tuple] = set()  # shape classes where _scaled_mm raised once
 _PAD_WEIGHT_SCALES: bool | None = None  # which scale_b layout this torch build takes (found on first use)
-_PAD_ROWS_TO_4 = False  # set once cuBLAS refused an M that is not a multiple of 4
 
 
 def _choice() -> str:
@@ -72,7 +71,7 @@ def fp8_block_gemm_cuda(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws:
         return xq.new_empty((*lead, n), dtype=out_dtype)
     choice = _choice()
     key = (group, k % 16, n % 16, (k // WEIGHT_BLOCK) % 4)
-    if choice != "triton" and group == WEIGHT_BLOCK and key not in _SCALED_MM_BROKEN:
+    if choice != "triton" and scaled_mm_supports(a.shape[0], k, group) and key not in _SCALED_MM_BROKEN:
         try:
             return fp8_block_gemm_scaled_mm(a, sa, w, ws, out_dtype).reshape(*lead, n)
         except (RuntimeError, ValueError):
@@ -99,28 +98,32 @@ def _weight_scales_for_cublas(ws: torch.Tensor, padded: bool) -> torch.Tensor:
     return buf[:, :kb].t()
 
 
+def scaled_mm_supports(m: int, k: int, group: int) -> bool:
+    """Shapes where cuBLAS blockwise is known to be right on sm_90.
+
+    Measured on the H200 (torch 2.11, 2026-11-30): with K / 128 not a multiple
+    of 4 (K = 384) _scaled_mm returned WRONG numbers without raising, so the
+    layout cannot be found by trying; those shapes go to the Triton kernel.
+    M is padded to a multiple of 4 below, so any M is fine.
+    """
+    return group == WEIGHT_BLOCK and k % (4 * WEIGHT_BLOCK) == 0
+
+
 def fp8_block_gemm_scaled_mm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                              out_dtype: torch.dtype) -> torch.Tensor:
     """cuBLASLt blockwise FP8 GEMM: a [M, K] x w [N, K]^T with 1x128 / 128x128 scales.
 
-    If cuBLAS refuses an M that is not a multiple of 4 (the M-major scales'
-    16-byte alignment), the rows are padded to one and the result sliced."""
-    global _PAD_ROWS_TO_4
-    m = a.shape[0]
-    if not (_PAD_ROWS_TO_4 and m % 4):
-        try:
-            return _scaled_mm_blockwise(a, sa, w, ws, out_dtype)
-        except (RuntimeError, ValueError):
-            if m % 4 == 0:
-                raise
-    if m % 4:
-        pad = 4 - m % 4
-        a4 = torch.cat([a, a.new_zeros(pad, a.shape[1])])
-        sa4 = torch.cat([sa.float(), sa.new_ones(pad, sa.shape[1], dtype=torch.float32)])
-        out = _scaled_mm_blockwise(a4, sa4, w, ws, out_dtype)[:m]
-        _PAD_ROWS_TO_4 = True
-        return out
-    raise AssertionError("unreachable")
+    Rows are padded to a multiple of 4 (the M-major scales' 16-byte alignment)
+    and the result sliced; shapes outside scaled_mm_supports raise ValueError."""
+    m, k = a.shape
+    if not scaled_mm_supports(m, k, k // sa.shape[1]):
+        raise ValueError(f"_scaled_mm blockwise is not trusted for K={k}, group {k // sa.shape[1]}")
+    if m % 4 == 0:
+        return _scaled_mm_blockwise(a, sa, w, ws, out_dtype)
+    pad = 4 - m % 4
+    a4 = torch.cat([a, a.new_zeros(pad, k)])
+    sa4 = torch.cat([sa.float(), sa.new_ones(pad, sa.shape[1], dtype=torch.float32)])
+    return _scaled_mm_blockwise(a4, sa4, w, ws, out_dtype)[:m]
 
 
 def _scaled_mm_blockwise(a, sa, w, ws, out_dtype):

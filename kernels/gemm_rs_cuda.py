@@ -183,7 +183,8 @@ def fused_available(group_name: str) -> bool:
         why = "no CUDA"
     else:
         try:
-            import torch.distributed._symmetric_memory  # noqa: F401
+            # `from` form: a plain `import torch.x` here would make `torch` local to this function.
+            from torch.distributed import _symmetric_memory  # noqa: F401
             from torch._C._distributed_c10d import _SymmetricMemory  # noqa: F401
 
             _resolve_group(group_name)

@@ -82,21 +82,34 @@ def test_op_dispatches_to_triton_on_cuda():
                            v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v) for u, v in zip(a, b))
 
 
-@pytest.mark.parametrize("backend", ["scaled_mm", "triton"])
+def _fp8_args(m, n, k, g):
+    gen = torch.Generator().manual_seed(m + n)
+    xq, xs = torch.ops.minimax.quantize_fp8(torch.randn(m, k, generator=gen), g)
+    w, ws = quantize_weight_fp8(torch.randn(n, k, generator=gen) * k**-0.5)
+    return xq, xs, w, ws
+
+
+def _cuda_fp8_args(m, n, k, g):
+    return (*(t.cuda() for t in _fp8_args(m, n, k, g)), torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", ["scaled_mm", "triton", "dispatch"])
 @pytest.mark.parametrize("m,n,k,g", [(7, 256, 384, 128), (37, 1024, 6144, 128), (4096, 6144, 4096, 128),
                                      (64, 512, 1024, 32)])
 def test_fp8_block_gemm_cuda_matches_reference(backend, m, n, k, g):
     from minimax_backend.kernels import fp8_gemm_cuda
 
-    if backend == "scaled_mm" and g != 128:
-        pytest.skip("cuBLAS blockwise takes 1 x 128 activation groups only")
-    gen = torch.Generator().manual_seed(m + n)
-    xq, xs = torch.ops.minimax.quantize_fp8(torch.randn(m, k, generator=gen), g)
-    w, ws = quantize_weight_fp8(torch.randn(n, k, generator=gen) * k**-0.5)
+    if backend == "scaled_mm" and not fp8_gemm_cuda.scaled_mm_supports(m, k, g):
+        with pytest.raises(ValueError):  # refused, never a wrong answer (K=384 was silently wrong)
+            fp8_gemm_cuda.fp8_block_gemm_scaled_mm(*_cuda_fp8_args(m, n, k, g))
+        return
+    xq, xs, w, ws = _fp8_args(m, n, k, g)
     ref = torch.ops.minimax.fp8_block_gemm(xq, xs, w, ws, torch.float32)
     args = (xq.cuda(), xs.cuda(), w.cuda(), ws.cuda(), torch.bfloat16)
     if backend == "scaled_mm":
         out = fp8_gemm_cuda.fp8_block_gemm_scaled_mm(*args)
+    elif backend == "dispatch":  # what the op runs on CUDA
+        out = torch.ops.minimax.fp8_block_gemm(*args)
     else:
         out = fp8_gemm_cuda.fp8_block_gemm_triton(*args)
     scale = float(ref.abs().max())

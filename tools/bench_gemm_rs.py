@@ -131,6 +131,11 @@ def job(rank: int, world: int, args) -> None:
     t0 = time.time()
     device = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD.group_name
+    # torch's fused ops live in this module and need symmetric memory on the group.
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group)
     rows, failures = [], set()
     total = len(args.dtypes) * len(args.k) * len(args.m)
     for dtype in args.dtypes:

@@ -1,0 +1,416 @@
+"""GPU path of the MoE ops: expert-sorted grouped GEMMs in Triton.
+
+minimax::moe and minimax::mega_moe keep their structure on the GPU (routing,
+the exchange, the combine: kernels/moe.py); what changes is how the local
+experts run. Instead of one GEMM pair per expert, the (token, slot) pairs
+routed to this rank's experts are sorted by expert and three kernels run:
+
+    align_by_expert   (torch ops, no host sync) pairs sorted by expert, each
+                      expert's run padded to a multiple of BLOCK_M; the
+                      expert of every BLOCK_M-row block; each pair's row
+    gate_up + act     grouped GEMM over the sorted rows (tokens gathered by
+                      index, no permuted copy of x), gate and up tiles of the
+                      fused [2n, H] weight side by side, SwiGLU-OAI (or SiLU)
+                      in the epilogue, and for FP8 the 1 x 128 quantization of
+                      the result too (one power-of-two scale per row and
+                      128-column tile): the activation never exists in BF16
+                      in memory
+    down              grouped GEMM of the activations with w2, the routing
+                      weight applied in the epilogue
+    combine           each token sums its k rows in float32
+
+Weights stay where the model keeps them (one tensor per expert): every kernel
+reads a small device table of their addresses, built once per set of weights
+(so CUDA-graph capture finds it ready). Shapes are static for a given token
+count (grid = the worst case; idle blocks exit at once), so everything here
+captures into a CUDA graph. FP8 weights use the DeepSeek 128 x 128 block
+scales of kernels/fp8.py; the activation is quantized in 1 x 128 groups, as
+minimax::quantize_fp8 does.
+
+Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (tests). The
+interpreter's bf16 tl.dot is wrong (triton 3.9) and its float32 -> bf16
+cast truncates, so the kernels upcast before dot and round with integer ops
+when interpreting, as the GPU's cvt.rn does.
+
+Not done here: tile configs are a first guess per token count (to be tuned
+on the H200 with tools/bench_moe.py); the fused combine writes k rows per
+token (bf16) and sums them, where an atomic-add epilogue would skip that.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .fp8 import FP8_DTYPE
+from .moe import MoEWeights, gated_mlp
+
+try:  # optional: CPU installs use the reference only
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = tl = None
+    HAVE_TRITON = False
+
+__all__ = ["HAVE_TRITON", "Alignment", "align_by_expert", "grouped_gated_mlp", "TritonMoEWeights", "supported",
+           "tile_config"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_ACT = {"swigluoai": 0, "silu": 1}
+
+
+def supported(x: torch.Tensor, w: MoEWeights) -> bool:
+    """Whether the Triton kernels take these inputs (else the reference runs)."""
+    if not HAVE_TRITON or not (x.is_cuda or _interpreting()):
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    n = w.w2[0].shape[1]
+    if w.fp8:
+        # 1 x 128 activation groups, 128-row weight blocks: gate and up halves on block edges
+        return w.group == 128 and n % 128 == 0 and w.w13[0].dtype == FP8_DTYPE
+    return all(t.dtype == x.dtype for t in (*w.w13, *w.w2))
+
+
+# ------------------------------------------------------------------ routing
+@dataclass
+class Alignment:
+    sorted_pair: torch.Tensor  # [max_rows] int32: pair (token * k + slot) at each sorted row, -1 = padding
+    block_expert: torch.Tensor  # [max_blocks] int32: local expert of each BLOCK_M rows, >= n_local = idle
+    pair_row: torch.Tensor  # [pairs] int32: sorted row of each pair, -1 = not a local expert
+    block_m: int
+
+    @property
+    def max_rows(self) -> int:
+        return self.sorted_pair.shape[0]
+
+
+def align_by_expert(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int) -> Alignment:
+    """Sort the (token, slot) pairs of the local experts by expert, runs padded to block_m.
+
+    Device-side torch ops with static shapes (the worst case: every pair local,
+    every run padded), so no host sync and CUDA-graph safe."""
+    pairs = ids.numel()
+    dev = ids.device
+    local = ids.reshape(-1).to(torch.int64) - expert_offset
+    is_local = (local >= 0) & (local < n_local)
+    e = torch.where(is_local, local, torch.full_like(local, n_local))  # bucket n_local: not ours
+    max_rows = triton_cdiv(pairs + n_local * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))
+    padded = (counts[:n_local] + block_m - 1) // block_m * block_m
+    pstart = torch.cumsum(padded, 0) - padded
+    pstart = torch.cat([pstart, torch.full((1,), max_rows, dtype=torch.int64, device=dev)])
+    cstart = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(e, stable=True)
+    e_sorted = e[order]
+    dest = pstart[e_sorted] + torch.arange(pairs, device=dev) - cstart[e_sorted]
+    dest = torch.where(e_sorted < n_local, dest, torch.full_like(dest, max_rows))
+    sorted_pair = torch.full((max_rows + 1,), -1, dtype=torch.int32, device=dev)
+    sorted_pair.scatter_(0, dest, order.to(torch.int32))  # the dump row max_rows is dropped
+    pair_row = torch.empty(pairs, dtype=torch.int32, device=dev)
+    pair_row.scatter_(0, order, torch.where(e_sorted < n_local, dest, torch.full_like(dest, -1)).to(torch.int32))
+    max_blocks = max_rows // block_m
+    cum_blocks = torch.cumsum(padded // block_m, 0)
+    block_expert = torch.searchsorted(cum_blocks, torch.arange(max_blocks, device=dev), right=True).to(torch.int32)
+    return Alignment(sorted_pair[:max_rows], block_expert, pair_row, block_m)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------ pointer tables
+_TABLES: dict = {}
+
+
+def _table(tensors) -> torch.Tensor:
+    """int64 device tensor of the tensors' addresses, cached by address (stable weights)."""
+    key = tuple((t.data_ptr(), t.device.type, t.device.index) for t in tensors)
+    tab = _TABLES.get(key)
+    if tab is None:
+        for t in tensors:
+            if not t.is_contiguous():
+                raise ValueError("grouped MoE kernels need contiguous expert weights")
+        tab = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
+        if len(_TABLES) > 4096:
+            _TABLES.clear()
+        _TABLES[key] = tab
+    return tab
+
+
+# ------------------------------------------------------------------ kernels
+if HAVE_TRITON:
+
+    @triton.jit
+    def _round_bf16(v):
+        """float32 -> nearest bfloat16 (ties to even), kept in float32."""
+        bits = v.to(tl.int32, bitcast=True)
+        lsb = (bits >> 16) & 1
+        bits = (bits + 0x7FFF + lsb) & -65536
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _round_e4m3(q):
+        """float32 in [-448, 448] -> nearest E4M3 value (ties to even), kept in float32: what the
+        GPU's cvt.rn.satfinite does; the interpreter's own cast is off by an ulp at times."""
+        bits = q.to(tl.int32, bitcast=True)
+        lsb = (bits >> 20) & 1
+        normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
+        v = q * 512.0  # subnormals (|q| < 2**-6): multiples of 2**-9, rounded by the magic-number add
+        sub = ((v + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+        return tl.where(tl.abs(q) < 0.015625, sub, normal)
+
+    @triton.jit
+    def _round_out(v, OUT_KIND: tl.constexpr, INTERP: tl.constexpr):
+        """Round float32 to the model dtype (OUT_KIND 1 bf16, 2 fp16; 0 float32: as is), kept in float32."""
+        if OUT_KIND == 1:
+            if INTERP:
+                v = _round_bf16(v)  # the interpreter's cast truncates
+            else:
+                v = v.to(tl.bfloat16).to(tl.float32)
+        elif OUT_KIND == 2:
+            v = v.to(tl.float16).to(tl.float32)
+        return v
+
+    @triton.jit
+    def _gate_up_act_kernel(
+        x_ptr, xs_ptr, w_table, ws_table, sorted_pair, block_expert, h_ptr, hs_ptr,
+        K, N_HALF, top_k, n_local, num_m_blocks, stride_x, stride_xs, stride_h, stride_hs,
+        alpha, limit, beta,
+        ACT: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr,
+        UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        pid_m = pid % num_m_blocks  # m fastest: the blocks of one expert share its weight tile in L2
+        pid_n = pid // num_m_blocks
+        e = tl.load(block_expert + pid_m)
+        if e < n_local:
+            rows = pid_m * BM + tl.arange(0, BM)
+            pair = tl.load(sorted_pair + rows)
+            valid = pair >= 0
+            token = tl.where(valid, pair // top_k, 0).to(tl.int64)
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            n_ok = offs_n < N_HALF
+            offs_k = tl.arange(0, BK)
+            # expert weights have the activation's element type (bf16 / fp16 / fp32, or fp8 with fp8)
+            w = tl.load(w_table + e).to(tl.pointer_type(x_ptr.dtype.element_ty))
+            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+            kb_total = tl.cdiv(K, 128)
+            if FP8:
+                ws = tl.load(ws_table + e).to(tl.pointer_type(tl.float32))
+            for k0 in range(0, K, BK):
+                k_ok = (k0 + offs_k) < K
+                a = tl.load(x_ptr + token[:, None] * stride_x + (k0 + offs_k)[None, :],
+                            mask=valid[:, None] & k_ok[None, :], other=0.0)
+                bg = tl.load(w + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :],
+                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                bu = tl.load(w + (N_HALF + offs_n)[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :],
+                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    bg = bg.to(tl.float32)
+                    bu = bu.to(tl.float32)
+                if FP8:
+                    kb = k0 // 128
+                    a_s = tl.load(xs_ptr + token * stride_xs + kb, mask=valid, other=0.0)
+                    g_s = tl.load(ws + ((pid_n * BN) // 128) * kb_total + kb)
+                    u_s = tl.load(ws + ((N_HALF + pid_n * BN) // 128) * kb_total + kb)
+                    acc_g += tl.dot(a, tl.trans(bg), out_dtype=tl.float32) * (a_s[:, None] * g_s)
+                    acc_u += tl.dot(a, tl.trans(bu), out_dtype=tl.float32) * (a_s[:, None] * u_s)
+                else:
+                    acc_g = tl.dot(a, tl.trans(bg), acc_g, out_dtype=tl.float32)
+                    acc_u = tl.dot(a, tl.trans(bu), acc_u, out_dtype=tl.float32)
+            # The eager MLP rounds the gate/up GEMM to the activation dtype first.
+            g = _round_out(acc_g, OUT_KIND, INTERP)
+            u = _round_out(acc_u, OUT_KIND, INTERP)
+            if ACT == 0:  # SwiGLU-OAI
+                g = tl.minimum(g, limit)
+                u = tl.minimum(tl.maximum(u, -limit), limit)
+                h = (u + beta) * (g * tl.sigmoid(g * alpha))
+            else:  # SiLU-gated
+                h = g * tl.sigmoid(g) * u
+            h = _round_out(h, OUT_KIND, INTERP)
+            out_rows = rows.to(tl.int64)
+            if FP8:
+                # 1 x 128 quantization of h (BN == 128): power-of-two scale from the exponent bits.
+                amax = tl.maximum(tl.max(tl.where(n_ok[None, :], tl.abs(h), 0.0), axis=1), 1e-30)
+                v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+                vb = v.to(tl.int32, bitcast=True)
+                ex = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
+                scale = (ex << 23).to(tl.float32, bitcast=True)
+                inv = ((254 - ex) << 23).to(tl.float32, bitcast=True)
+                q = tl.minimum(tl.maximum(h * inv[:, None], -448.0), 448.0)
+                if INTERP:
+                    q = _round_e4m3(q)
+                tl.store(h_ptr + out_rows[:, None] * stride_h + offs_n[None, :], q.to(tl.float8e4nv),
+                         mask=n_ok[None, :] & (out_rows[:, None] >= 0))
+                tl.store(hs_ptr + out_rows * stride_hs + pid_n, scale)
+            else:
+                tl.store(h_ptr + out_rows[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                         mask=n_ok[None, :] & (out_rows[:, None] >= 0))
+
+    @triton.jit
+    def _down_kernel(
+        h_ptr, hs_ptr, w_table, ws_table, sorted_pair, block_expert, topk_w, y_ptr,
+        K, N, n_local, num_m_blocks, stride_h, stride_hs, stride_y,
+        FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr, UPCAST: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        pid_m = pid % num_m_blocks
+        pid_n = pid // num_m_blocks
+        e = tl.load(block_expert + pid_m)
+        if e < n_local:
+            rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+            pair = tl.load(sorted_pair + rows)
+            valid = pair >= 0
+            offs_n = pid_n * BN + tl.arange(0, BN)
+            n_ok = offs_n < N
+            offs_k = tl.arange(0, BK)
+            w = tl.load(w_table + e).to(tl.pointer_type(h_ptr.dtype.element_ty))
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            kb_total = tl.cdiv(K, 128)
+            if FP8:
+                ws = tl.load(ws_table + e).to(tl.pointer_type(tl.float32))
+            for k0 in range(0, K, BK):
+                k_ok = (k0 + offs_k) < K
+                a = tl.load(h_ptr + rows[:, None] * stride_h + (k0 + offs_k)[None, :],
+                            mask=k_ok[None, :] & (rows[:, None] >= 0), other=0.0)
+                b = tl.load(w + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :],
+                            mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                if FP8:
+                    kb = k0 // 128
+                    a_s = tl.load(hs_ptr + rows * stride_hs + kb)
+                    b_s = tl.load(ws + ((pid_n * BN) // 128) * kb_total + kb)
+                    acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (a_s[:, None] * b_s)
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
+            # expert output in the model dtype (as eager), times the routing weight in float32
+            wt = tl.load(topk_w + tl.where(valid, pair, 0), mask=valid, other=0.0)
+            y = _round_out(acc, OUT_KIND, INTERP) * wt[:, None]
+            y = _round_out(y, OUT_KIND, INTERP)
+            tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+                     mask=n_ok[None, :] & valid[:, None])
+
+    @triton.jit
+    def _combine_kernel(y_ptr, pair_row, out_ptr, N, top_k, stride_y, stride_out, BN: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BN + tl.arange(0, BN)
+        ok = offs < N
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for j in range(top_k):
+            r = tl.load(pair_row + t * top_k + j).to(tl.int64)
+            acc += tl.load(y_ptr + r * stride_y + offs, mask=ok & ((offs * 0 + r) >= 0), other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * stride_out + offs, acc, mask=ok)
+
+
+# --------------------------------------------------------------- launching
+def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool) -> dict:
+    """BLOCK_M / N / K and warps from the average rows per expert (a first guess; tune on the H200)."""
+    env = os.environ.get("MINIMAX_MOE_TILES")  # e.g. "64,128,64,4,3": BM, BN, BK, warps, stages
+    if env:
+        bm, bn, bk, warps, stages = (int(v) for v in env.split(","))
+        return {"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages}
+    avg = tokens * top_k / max(num_experts, 1)
+    bm = 16 if avg <= 16 else 32 if avg <= 48 else 64 if avg <= 192 else 128
+    return {"BM": bm, "BN": 128, "BK": 128 if fp8 else 64, "num_warps": 4 if bm <= 64 else 8,
+            "num_stages": 3 if bm <= 64 else 4}
+
+
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: list, w2: list,
+                      w13_scale: Optional[list], w2_scale: Optional[list], expert_offset: int, kind: str,
+                      alpha: float, limit: float, beta: float, num_experts: int,
+                      config: Optional[dict] = None) -> torch.Tensor:
+    """sum over the pairs routed to these experts of weight * expert(x): float32 [T, H]."""
+    t, hidden = x.shape
+    k = ids.shape[1]
+    n_local = len(w13)
+    n = w2[0].shape[1]
+    fp8 = bool(w13_scale)
+    cfg = config or tile_config(t, k, num_experts, fp8)
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    launch = {kk: cfg[kk] for kk in ("num_warps", "num_stages") if kk in cfg}
+    if fp8 and (bn != 128 or bk != 128):
+        raise ValueError("FP8 grouped GEMMs need BN = BK = 128 (the quantization group)")
+    out_dt = x.dtype
+    interp = _interpreting()
+    upcast = interp and not fp8  # the interpreter's bf16 tl.dot is wrong; its fp8 dot is right
+    al = align_by_expert(ids, expert_offset, n_local, bm)
+    num_m = al.max_rows // bm
+    dev = x.device
+    if fp8:
+        from .fp8 import quantize_fp8_reference
+
+        xq, xs = quantize_fp8_reference(x, 128)
+        h = torch.empty(al.max_rows, n, dtype=FP8_DTYPE, device=dev)
+        hs = torch.empty(al.max_rows, n // 128, dtype=torch.float32, device=dev)
+        w13_t, ws13_t = _table(w13), _table(w13_scale)
+        w2_t, ws2_t = _table(w2), _table(w2_scale)
+    else:
+        xq = x if x.stride(1) == 1 else x.contiguous()  # rows may be strided (a view of a packed gather)
+        xs = x.new_empty(1, 1, dtype=torch.float32)
+        h = torch.empty(al.max_rows, n, dtype=out_dt, device=dev)
+        hs = h.new_empty(1, 1, dtype=torch.float32)
+        w13_t = ws13_t = _table(w13)
+        w2_t = ws2_t = _table(w2)
+    _gate_up_act_kernel[(num_m * triton.cdiv(n, bn),)](
+        xq, xs, w13_t, ws13_t, al.sorted_pair, al.block_expert, h, hs,
+        hidden, n, k, n_local, num_m, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
+        float(alpha), float(limit), float(beta),
+        ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, BM=bm, BN=bn, BK=bk, **launch,
+    )
+    y = torch.empty(al.max_rows, hidden, dtype=out_dt, device=dev)
+    tw = weights.reshape(-1).to(torch.float32).contiguous()
+    _down_kernel[(num_m * triton.cdiv(hidden, bn),)](
+        h, hs, w2_t, ws2_t, al.sorted_pair, al.block_expert, tw, y,
+        n, hidden, n_local, num_m, h.stride(0), hs.stride(0), y.stride(0),
+        FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, BM=bm, BN=bn, BK=bk, **launch,
+    )
+    out = torch.empty(t, hidden, dtype=torch.float32, device=dev)
+    cb = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)
+    _combine_kernel[(t, triton.cdiv(hidden, cb))](y, al.pair_row, out, hidden, k, y.stride(0), out.stride(0), BN=cb)
+    return out
+
+
+def triton_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights) -> torch.Tensor:
+    """The ExpertsFn of kernels/moe.py on the GPU (falls back to the reference when unsupported)."""
+    from .moe import local_experts_reference
+
+    if x.shape[0] == 0 or not supported(x, w):
+        return local_experts_reference(x, ids, weights, w)
+    return grouped_gated_mlp(x, ids, weights, w.w13, w.w2, w.w13_scale, w.w2_scale, w.expert_offset,
+                             w.activation, w.alpha, w.limit, w.beta, w.num_experts)
+
+
+class TritonMoEWeights(MoEWeights):
+    """MoEWeights whose shared expert runs as a one-expert grouped GEMM (fused activation)."""
+
+    def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        sh = MoEWeights.__new__(MoEWeights)
+        sh.__dict__.update(self.__dict__)
+        sh.w13, sh.w2 = [self.shared_w13], [self.shared_w2]
+        sh.w13_scale = [self.shared_w13_scale] if self.shared_w13_scale is not None else None
+        sh.w2_scale = [self.shared_w2_scale] if self.shared_w2_scale is not None else None
+        if x.shape[0] == 0 or not supported(x, sh):
+            return gated_mlp(x, self.shared_w13, self.shared_w2, self.shared_w13_scale, self.shared_w2_scale,
+                             self.activation, self.alpha, self.limit, self.beta, self.group)
+        ids = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
+        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        return grouped_gated_mlp(x, ids, ones, sh.w13, sh.w2, sh.w13_scale, sh.w2_scale, 0, self.activation,
+                                 self.alpha, self.limit, self.beta, 1).to(x.dtype)
