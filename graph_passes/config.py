@@ -51,9 +51,10 @@ class BackendConfig:
     moe_lower: str = _mode(doc="minimax::moe -> MegaMoE (dispatch, expert GEMMs, combine)")
 
     # Fused GEMM-RS only at or above this many tokens (matmul + RS below).
-    # 2048 is a placeholder: to be measured on the H200 pair (the source PR
-    # used 1024 on 4 x GB300).
-    gemm_rs_min_tokens: int = 2048
+    # Measured on 2 x H200, 2026-11-30 (tools/bench_gemm_rs.py): ours beats
+    # matmul + NCCL reduce-scatter from M = 256 (BF16) and M = 512-1024 (FP8)
+    # on; 1024 is the largest of those, so the fused path is never slower.
+    gemm_rs_min_tokens: int = 1024
     quant_format: str = field(default="fp8_block128", metadata={"choices": QUANT_FORMATS})
     # Gather FP8 data + scales instead of BF16 before the QKV GEMM (half the bytes).
     fp8_allgather: bool = False

@@ -187,7 +187,7 @@ if HAVE_TRITON:
         K, N_HALF, top_k, n_local, num_m_blocks, stride_x, stride_xs, stride_h, stride_hs,
         alpha, limit, beta,
         ACT: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr,
-        UPCAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        UPCAST: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):
         pid = tl.program_id(0)
         pid_m = pid % num_m_blocks  # m fastest: the blocks of one expert share its weight tile in L2
@@ -227,6 +227,9 @@ if HAVE_TRITON:
                     u_s = tl.load(ws + ((N_HALF + pid_n * BN) // 128) * kb_total + kb)
                     acc_g += tl.dot(a, tl.trans(bg), out_dtype=tl.float32) * (a_s[:, None] * g_s)
                     acc_u += tl.dot(a, tl.trans(bu), out_dtype=tl.float32) * (a_s[:, None] * u_s)
+                elif IEEE:  # float32 models: no silent TF32
+                    acc_g = tl.dot(a, tl.trans(bg), acc_g, input_precision="ieee", out_dtype=tl.float32)
+                    acc_u = tl.dot(a, tl.trans(bu), acc_u, input_precision="ieee", out_dtype=tl.float32)
                 else:
                     acc_g = tl.dot(a, tl.trans(bg), acc_g, out_dtype=tl.float32)
                     acc_u = tl.dot(a, tl.trans(bu), acc_u, out_dtype=tl.float32)
@@ -264,7 +267,7 @@ if HAVE_TRITON:
         h_ptr, hs_ptr, w_table, ws_table, sorted_pair, block_expert, topk_w, y_ptr,
         K, N, n_local, num_m_blocks, stride_h, stride_hs, stride_y,
         FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr, UPCAST: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):
         pid = tl.program_id(0)
         pid_m = pid % num_m_blocks
@@ -296,6 +299,8 @@ if HAVE_TRITON:
                     a_s = tl.load(hs_ptr + rows * stride_hs + kb)
                     b_s = tl.load(ws + ((pid_n * BN) // 128) * kb_total + kb)
                     acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (a_s[:, None] * b_s)
+                elif IEEE:
+                    acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee", out_dtype=tl.float32)
                 else:
                     acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
             # expert output in the model dtype (as eager), times the routing weight in float32
@@ -318,7 +323,7 @@ if HAVE_TRITON:
 
 
 # --------------------------------------------------------------- launching
-def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool) -> dict:
+def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool = False) -> dict:
     """BLOCK_M / N / K and warps from the average rows per expert (a first guess; tune on the H200)."""
     env = os.environ.get("MINIMAX_MOE_TILES")  # e.g. "64,128,64,4,3": BM, BN, BK, warps, stages
     if env:
@@ -326,6 +331,8 @@ def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool) -> dict:
         return {"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages}
     avg = tokens * top_k / max(num_experts, 1)
     bm = 16 if avg <= 16 else 32 if avg <= 48 else 64 if avg <= 192 else 128
+    if float32:  # 4-byte tiles: halve K and the pipeline depth to fit the 227 KB of shared memory
+        return {"BM": bm, "BN": 128, "BK": 32, "num_warps": 4 if bm <= 64 else 8, "num_stages": 2}
     return {"BM": bm, "BN": 128, "BK": 128 if fp8 else 64, "num_warps": 4 if bm <= 64 else 8,
             "num_stages": 3 if bm <= 64 else 4}
 
@@ -343,13 +350,14 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     n_local = len(w13)
     n = w2[0].shape[1]
     fp8 = bool(w13_scale)
-    cfg = config or tile_config(t, k, num_experts, fp8)
+    cfg = config or tile_config(t, k, num_experts, fp8, float32=x.dtype == torch.float32)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     launch = {kk: cfg[kk] for kk in ("num_warps", "num_stages") if kk in cfg}
     if fp8 and (bn != 128 or bk != 128):
         raise ValueError("FP8 grouped GEMMs need BN = BK = 128 (the quantization group)")
     out_dt = x.dtype
     interp = _interpreting()
+    ieee = x.dtype == torch.float32 and not interp  # float32 in, float32 math (Triton's default is TF32)
     upcast = interp and not fp8  # the interpreter's bf16 tl.dot is wrong; its fp8 dot is right
     al = align_by_expert(ids, expert_offset, n_local, bm)
     num_m = al.max_rows // bm
@@ -373,14 +381,14 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         xq, xs, w13_t, ws13_t, al.sorted_pair, al.block_expert, h, hs,
         hidden, n, k, n_local, num_m, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
         float(alpha), float(limit), float(beta),
-        ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, BM=bm, BN=bn, BK=bk, **launch,
+        ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch,
     )
     y = torch.empty(al.max_rows, hidden, dtype=out_dt, device=dev)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
     _down_kernel[(num_m * triton.cdiv(hidden, bn),)](
         h, hs, w2_t, ws2_t, al.sorted_pair, al.block_expert, tw, y,
         n, hidden, n_local, num_m, h.stride(0), hs.stride(0), y.stride(0),
-        FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, BM=bm, BN=bn, BK=bk, **launch,
+        FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch,
     )
     out = torch.empty(t, hidden, dtype=torch.float32, device=dev)
     cb = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)

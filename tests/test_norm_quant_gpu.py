@@ -113,7 +113,10 @@ def test_fp8_block_gemm_cuda_matches_reference(backend, m, n, k, g):
     else:
         out = fp8_gemm_cuda.fp8_block_gemm_triton(*args)
     scale = float(ref.abs().max())
-    torch.testing.assert_close(out.float().cpu(), ref, rtol=2**-7, atol=1e-4 * scale)
+    # rtol: the bf16 output's rounding. atol: Hopper's FP8 tensor cores accumulate each
+    # 128-deep block with a ~14-bit mantissa before the fp32 promotion (the effect
+    # DeepSeek-V3 describes); seen on H200: 1.4e-4 of the largest output at K = 4096.
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2**-7, atol=4e-4 * scale)
 
 
 def test_fp8_block_gemm_cuda_entry_handles_3d_and_empty():
