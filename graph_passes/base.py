@@ -176,3 +176,38 @@ def _module_source(mod_name: str) -> str:
         return inspect.getsource(mod) if mod is not None else mod_name
     except (OSError, TypeError):  # defined in a REPL / no file: fall back to the name
         return mod_name
+
+
+class CandidatePass(GraphPass):
+    """A pass that finds candidates (e.g. every MoE top-k) and tries to match each.
+
+    Under "on", a graph with no candidate at all is a miss; under "auto" only
+    candidates that were found but not matched are. A partial match (some
+    candidates rewritten, some left alone) is logged and warned about, never
+    silent: `finish` builds that record.
+    """
+
+    def __init__(self, config: BackendConfig):
+        super().__init__(config)
+        self._candidates = 0
+
+    def expects_matches(self, ctx: PassContext) -> bool:
+        if self.mode() == "on":
+            return True
+        return self.is_enabled(ctx) and self._candidates > 0
+
+    def finish(self, gm: torch.fx.GraphModule, breakdown: dict[str, int], details: list[str],
+               misses: list[str], what: str) -> PassResult:
+        import logging
+        import warnings
+
+        matches = sum(breakdown.values())
+        if matches:
+            gm.graph.lint()
+            gm.recompile()
+        if misses and matches:
+            msg = f"{self.name} rewrote {matches} of {self._candidates} {what}; " + "; ".join(misses)
+            logging.getLogger("minimax").warning("minimax: WARNING %s", msg)
+            warnings.warn(msg, PassWarning, stacklevel=3)
+        return self.result(matches=matches, graph_changed=matches > 0, breakdown=breakdown,
+                           details=details + misses, skipped="; ".join(misses) if misses else None)

@@ -8,7 +8,6 @@ graph is cheap and cannot disagree with what the graph computes.
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp

@@ -19,33 +19,22 @@ match is logged as a warning too.
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch.fx
 
 from ..patterns.moe import Mismatch, find_moe_topks, match_moe_block
-from .base import GraphPass, PassContext, PassResult, PassWarning
+from .base import CandidatePass, PassContext, PassResult
 from .manager import register_pass
 
 log = logging.getLogger("minimax")
 
 
 @register_pass
-class MoECanonicalizePass(GraphPass):
+class MoECanonicalizePass(CandidatePass):
     name = "moe_canonicalize"
     switch = "moe_canonicalize"
     hash_modules = ("minimax_backend.patterns.moe", "minimax_backend.kernels.moe")
 
-    def __init__(self, config):
-        super().__init__(config)
-        self._candidates = 0
-
-    def expects_matches(self, ctx: PassContext) -> bool:
-        # "on": a graph without any MoE block is a miss too. "auto": only a
-        # graph that has a candidate (a top-k) and matched none of them.
-        if self.mode() == "on":
-            return True
-        return self.is_enabled(ctx) and self._candidates > 0
 
     def apply(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
@@ -67,18 +56,4 @@ class MoECanonicalizePass(GraphPass):
             kind = "shared" if match.shared is not None else "routed only"
             kinds[kind] = kinds.get(kind, 0) + 1
             details.append(f"block {i} -> {node.name}: {match.describe()}")
-        matches = sum(kinds.values())
-        if matches:
-            graph.lint()
-            gm.recompile()
-        if misses and matches:
-            msg = f"moe_canonicalize matched {matches} of {len(topks)} MoE candidates; " + "; ".join(misses)
-            log.warning("minimax: WARNING %s", msg)
-            warnings.warn(msg, PassWarning, stacklevel=2)
-        return self.result(
-            matches=matches,
-            graph_changed=matches > 0,
-            breakdown=kinds,
-            details=details + misses,
-            skipped="; ".join(misses) if misses else None,
-        )
+        return self.finish(gm, kinds, details, misses, "MoE candidates")

@@ -24,32 +24,23 @@ it is (it still computes the right thing, unfused) and the record says why.
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch.fx
 
 from ..patterns import is_op
 from ..patterns.moe import Mismatch, match_moe_collectives
-from .base import GraphPass, PassContext, PassResult, PassWarning
+from .base import CandidatePass, PassContext, PassResult
 from .manager import register_pass
 
 log = logging.getLogger("minimax")
 
 
 @register_pass
-class MoELowerPass(GraphPass):
+class MoELowerPass(CandidatePass):
     name = "moe_lower"
     switch = "moe_lower"
     hash_modules = ("minimax_backend.patterns.moe", "minimax_backend.kernels.moe")
 
-    def __init__(self, config):
-        super().__init__(config)
-        self._candidates = 0
-
-    def expects_matches(self, ctx: PassContext) -> bool:
-        if self.mode() == "on":
-            return True
-        return self.is_enabled(ctx) and self._candidates > 0
 
     def apply(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         graph = gm.graph
@@ -73,18 +64,4 @@ class MoELowerPass(GraphPass):
                 f"{moe.name} -> {node.name}: {lowering.form}, group {lowering.group_name or '-'} "
                 f"x{lowering.group_size}, {lowering.num_tokens} tokens, dispatch {lowering.dispatch}"
             )
-        matches = sum(forms.values())
-        if matches:
-            graph.lint()
-            gm.recompile()
-        if misses and matches:
-            msg = f"moe_lower lowered {matches} of {len(moes)} minimax.moe nodes; " + "; ".join(misses)
-            log.warning("minimax: WARNING %s", msg)
-            warnings.warn(msg, PassWarning, stacklevel=2)
-        return self.result(
-            matches=matches,
-            graph_changed=matches > 0,
-            breakdown=forms,
-            details=details + misses,
-            skipped="; ".join(misses) if misses else None,
-        )
+        return self.finish(gm, forms, details, misses, "minimax.moe nodes")

@@ -269,9 +269,9 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> nn.Module:
             continue
         # A fused linear stacks its pieces' rows; each piece has a known local size.
         parts = []
-        for shard, piece in zip(get_plan(m.weight).pieces, m.pieces):
-            off, amp = _init_scale(shard.name, config)
-            parts.append(off + amp * _random_piece(shard, (piece.size, m.in_features), seed))
+        for source, piece in zip(get_plan(m.weight).pieces, m.pieces):
+            off, amp = _init_scale(source.name, config)
+            parts.append(off + amp * _random_piece(source, (piece.size, m.in_features), seed))
         m.set_weight(torch.cat(parts, dim=0).float())
         done.update({id(m.weight), id(m.weight_scale_inv)})
     for _, t in list(model.named_parameters()) + list(model.named_buffers()):

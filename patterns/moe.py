@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from minimax_backend.patterns import collective_of, is_collective, is_op, op_arg, set_fake_val, wait_of
+from minimax_backend.patterns import collective_of, is_collective, is_op, set_fake_val, wait_of
 
 aten = torch.ops.aten
 
