@@ -58,11 +58,11 @@ class PassResult:
 
 
 def _group_size(group_name: str) -> int | None:
-    # c10d keeps a name -> ProcessGroup registry; present in torch 2.11 and 2.13.
-    try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
+    """The group's size, or None when this process does not know the group."""
+    from ..patterns.collectives import group_size
 
-        return _resolve_process_group(group_name).size()
+    try:
+        return group_size(group_name)
     except Exception:
         return None
 

@@ -44,6 +44,7 @@ def find_all_reduces(graph: fx.Graph, reduce_op: str = "sum") -> list[Collective
 
 
 def group_size(group_name: str) -> int:
+    # c10d keeps a name -> ProcessGroup registry; present in torch 2.11 and 2.13.
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name).size()
