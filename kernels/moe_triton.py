@@ -140,6 +140,8 @@ def _table(tensors) -> torch.Tensor:
         for t in tensors:
             if not t.is_contiguous():
                 raise ValueError("grouped MoE kernels need contiguous expert weights")
+            if t.data_ptr() % 16:
+                raise ValueError("grouped MoE kernels need 16-byte aligned expert weights (the kernels assume it)")
         tab = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
         if len(_TABLES) > 4096:
             _TABLES.clear()
@@ -201,8 +203,12 @@ if HAVE_TRITON:
             offs_n = pid_n * BN + tl.arange(0, BN)
             n_ok = offs_n < N_HALF
             offs_k = tl.arange(0, BK)
-            # expert weights have the activation's element type (bf16 / fp16 / fp32, or fp8 with fp8)
+            # expert weights have the activation's element type (bf16 / fp16 / fp32, or fp8 with fp8).
+            # A pointer read from memory has no known alignment: without the hint (allocations are
+            # 512-byte aligned) Triton loads the weight tiles byte by byte.
             w = tl.load(w_table + e).to(tl.pointer_type(x_ptr.dtype.element_ty))
+            if not INTERP:  # a compiler hint only; older interpreters reject it on a pointer
+                w = tl.multiple_of(w, 16)
             acc_g = tl.zeros((BM, BN), dtype=tl.float32)
             acc_u = tl.zeros((BM, BN), dtype=tl.float32)
             kb_total = tl.cdiv(K, 128)
@@ -281,6 +287,8 @@ if HAVE_TRITON:
             n_ok = offs_n < N
             offs_k = tl.arange(0, BK)
             w = tl.load(w_table + e).to(tl.pointer_type(h_ptr.dtype.element_ty))
+            if not INTERP:  # alignment hint, see _gate_up_act_kernel
+                w = tl.multiple_of(w, 16)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             kb_total = tl.cdiv(K, 128)
             if FP8:
