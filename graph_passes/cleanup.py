@@ -21,6 +21,7 @@ _NOOP_IF_SAME_LAYOUT = (
     "aten.clone",
     "aten.contiguous",
     "aten.expand",
+    "aten.slice",  # x[:, None] traces as a full slice + unsqueeze on CUDA (seen on the H200)
 )
 
 
@@ -28,6 +29,8 @@ def _same_layout(a, b) -> bool:
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return False
     if a.dtype != b.dtype or a.device != b.device or a.dim() != b.dim():
+        return False
+    if not statically_known_true(a.storage_offset() == b.storage_offset()):
         return False
     pairs = list(zip(a.shape, b.shape)) + list(zip(a.stride(), b.stride()))
     return all(statically_known_true(x == y) for x, y in pairs)

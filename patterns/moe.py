@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from minimax_backend.patterns import collective_of, is_collective, is_op, set_fake_val, wait_of
+from minimax_backend.patterns import collective_of, is_collective, is_op, op_name, set_fake_val, wait_of
 
 aten = torch.ops.aten
 
@@ -531,8 +531,12 @@ def match_moe_block(topk: fx.Node) -> MoEBlockMatch:
 
     zero = first_add = None
     for m in muls:
-        add = only_user(only_user(only_user(only_user(m))))
-        _expect(_op(add, "aten.add"), "an expert mask does not feed an accumulating add", m)
+        chain = [m]
+        for _ in range(4):  # mask -> sum over top-k -> unsqueeze -> times the expert output -> add
+            chain.append(only_user(chain[-1]))
+        add = chain[-1]
+        path = " -> ".join(op_name(n) or n.op if n is not None else "(no user)" for n in chain)
+        _expect(_op(add, "aten.add"), f"an expert mask does not feed an accumulating add (path {path})", m)
         for a in add.args:
             if _op(a, "aten.full", "aten.zeros", "aten.zeros_like"):
                 zero, first_add = a, add

@@ -57,3 +57,17 @@ def test_numerics_unchanged():
     assert CleanupPass(cfg).apply(gm, PassContext(config=cfg)).matches == 2
     gm.recompile()
     torch.testing.assert_close(gm(x, w), ref)
+
+
+def test_full_slices_are_removed_partial_ones_kept():
+    """x[:, None] can trace as a full aten.slice + unsqueeze (the H200's graph for the MoE's
+    routing weights); a full slice is the identity, a partial one is not."""
+
+    def f(x):
+        full = torch.ops.aten.slice.Tensor(x, 0, 0, 9223372036854775807)
+        tail = torch.ops.aten.slice.Tensor(x, 0, 1, 9223372036854775807)
+        return full.unsqueeze(1) * 2, tail * 3
+
+    gm, res, ops = _run(f, torch.randn(5))
+    assert res.breakdown == {"no-op view": 1}
+    assert ops.count("aten.slice") == 1
