@@ -133,15 +133,22 @@ def test_fp8_block_gemm_cuda_entry_handles_3d_and_empty():
 
 
 def test_compiled_fp8_model_on_gpu_with_the_fusion():
-    """The tiny FP8 model on one GPU, compiled (Inductor) with the pass: close to eager."""
+    """The tiny FP8 model on one GPU, compiled (Inductor) with the pass, equals eager.
+
+    Float32 activations: the FP8 quantization sees the same inputs in both runs,
+    so the fused kernel must reproduce eager's groups and scales. (In BF16 a
+    one-ulp difference upstream can flip an FP8 rounding, a whole FP8 step,
+    which the following layers amplify: 6% seen on the H200, with or without
+    the fusion, so it says nothing about the pass.)"""
     import minimax_backend.graph_passes as gp
     from minimax_backend.model.minimax import build_model, init_random_weights
     from test_norm_quant_tp import OFF, tiny_fp8_config
 
     torch._dynamo.reset()
     cfg = tiny_fp8_config()
-    m = init_random_weights(build_model(cfg, dtype=torch.bfloat16), seed=0).cuda()
-    ids = torch.randint(0, cfg.vocab_size, (1, 37), device="cuda")
+    m = init_random_weights(build_model(cfg, dtype=torch.float32), seed=0).cuda()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (1, 37), generator=gen).cuda()
     pos = torch.arange(37, device="cuda")[None]
     with torch.no_grad():
         ref = m(ids, pos).float()
@@ -149,8 +156,8 @@ def test_compiled_fp8_model_on_gpu_with_the_fusion():
     rep = gp.last_compile_report()
     assert rep["ops_after"]["minimax.rms_norm_quant_fp8"] == 4
     rel = (out - ref).norm() / ref.norm()
-    assert rel < 0.05, rel  # FP8 activations: a flipped rounding moves a logit by an FP8 step
-    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    assert rel < 1e-3, rel  # seen < 5e-5 on the H200 (2026-11-30)
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() == 1.0
 
 
 @pytest.mark.parametrize("shape,g", [((7, 384), 128), ((4096, 6144), 128), ((1000, 6144), 32)])
