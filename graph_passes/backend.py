@@ -28,7 +28,8 @@ import torch
 import torch.fx
 
 from .base import PassContext, PassError
-from .codegen import generate
+from . import cudagraph_capture
+from .codegen import generate, mutated_input_idxs, static_input_idxs
 from .config import BackendConfig, BackendOptionError
 from .manager import PassManager, make_dumper
 
@@ -76,7 +77,12 @@ def minimax_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opt
         compiled = generate(aten_gm, aten_inputs, config)
         report["timings_s"]["codegen"] = time.perf_counter() - t0
         log.info("minimax: %s codegen done in %.2fs", config.codegen, report["timings_s"]["codegen"])
-        return compiled
+        if not config.cudagraphs:
+            report["cudagraphs"] = {"enabled": False, "skipped": "cudagraphs=False", "captured": [],
+                                    "uncaptured": [], "pool_bytes": 0}
+            return compiled
+        return cudagraph_capture.wrap(compiled, aten_inputs, static_input_idxs(), mutated_input_idxs(), config,
+                                      report, _bucket_multiple(report))
 
     def training_compiler(aten_gm, aten_inputs):
         raise PassError("the minimax backend compiles inference graphs only")
@@ -98,6 +104,12 @@ def minimax_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opt
         _REPORTS[-1]["timings_s"]["total"] = time.perf_counter() - t0
         gm.meta["minimax_report"] = _REPORTS[-1]
     return compiled
+
+
+def _bucket_multiple(report: dict[str, Any]) -> int:
+    """Under sequence parallelism buckets are rounded up to a multiple of the TP size."""
+    sp = next((p for p in report["passes"] if p["name"] == "sequence_parallel"), None)
+    return report["tp_size"] if sp and sp.get("enabled") and sp.get("matches") else 1
 
 
 def _run_pipeline(aten_gm, aten_inputs, config: BackendConfig, manager: PassManager, index: int) -> dict[str, Any]:

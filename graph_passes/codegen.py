@@ -41,14 +41,22 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: B
         gm,
         example_inputs,
         is_inference=True,
-        cudagraphs=BoxedBool(config.cudagraphs),
-        static_input_idxs=_static_input_idxs(),
+        cudagraphs=BoxedBool(False),  # we capture ourselves (cudagraph_capture.py), per bucket
+        static_input_idxs=static_input_idxs(),
     )
 
 
-def _static_input_idxs() -> list[int]:
+def static_input_idxs() -> list[int]:
     # Parameters/buffers are static for cudagraphs (re-recorded if they move),
     # as compile_fx's get_static_input_idxs does.
     ctx = torch._guards.TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None) if ctx else None
     return list(getattr(meta, "static_input_indices", None) or [])
+
+
+def mutated_input_idxs() -> list[int]:
+    """Inputs whose data the graph writes (the KV cache's trailing copy_ ops)."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx else None
+    infos = getattr(meta, "input_info", None) or []
+    return [i for i, info in enumerate(infos) if getattr(info, "mutates_data", False)]

@@ -64,9 +64,15 @@ class BackendConfig:
     # Where GraphDumper writes one dump per compile; None = op counts in memory only.
     dump_dir: str | None = field(default=None, metadata={"hash": False})
     codegen: str = field(default="inductor", metadata={"choices": CODEGENS})
-    cudagraphs: bool = False
-    # Token-count buckets for CUDA graph capture (used once step 5 lands).
+    # Capture the generated code in CUDA graphs, one per token count up to the
+    # largest bucket (graph_passes/cudagraph_capture.py); skipped on CPU.
+    cudagraphs: bool = True
+    # Sizes callers pad to (model/bucketing.py); rounded up to a multiple of
+    # the TP size under sequence parallelism. Larger inputs run without a graph.
     cudagraph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    # Return copies of the graph's output buffers, so earlier results stay valid
+    # after the next replay; False hands out the buffers themselves (faster).
+    cudagraph_copy_outputs: bool = True
 
     # Hints the graph cannot tell: None = read from the graph's collectives /
     # torch.distributed (tp) or assume no expert parallelism (ep = 1).
@@ -79,8 +85,6 @@ class BackendConfig:
             object.__setattr__(self, "dump_dir", os.fspath(self.dump_dir))
         for f in dataclasses.fields(self):
             _check_field(f, getattr(self, f.name))
-        if self.cudagraphs and self.codegen != "inductor":
-            raise BackendOptionError("cudagraphs=True needs codegen='inductor'")
         if self.tp_size and self.ep_size and self.tp_size % self.ep_size:
             raise BackendOptionError(f"ep_size={self.ep_size} must divide tp_size={self.tp_size}")
 
@@ -140,6 +144,7 @@ _TYPES = {
     "fp8_allgather": bool,
     "strict": bool,
     "cudagraphs": bool,
+    "cudagraph_copy_outputs": bool,
     "pp_size": int,
 }
 

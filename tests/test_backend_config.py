@@ -64,7 +64,6 @@ def test_unknown_key_through_torch_compile():
         ({"cudagraph_buckets": (8, 4)}, "cudagraph_buckets"),
         ({"tp_size": 0}, "tp_size"),
         ({"dump_dir": 3}, "dump_dir"),
-        ({"cudagraphs": True, "codegen": "fx"}, "cudagraphs"),
         ({"tp_size": 4, "ep_size": 3}, "ep_size"),
     ],
 )

@@ -105,7 +105,9 @@ def _decode(model, prefill_logits, tokens, steps, batch, device, forced=None):
 
 
 def run_job(rank: int, world_size: int, args: RunArgs) -> None:
-    from minimax_backend.graph_passes.backend import last_compile_report
+    from minimax_backend.graph_passes.backend import compile_reports, last_compile_report
+    from minimax_backend.graph_passes.config import BackendConfig
+    from minimax_backend.model.bucketing import BucketedRunner, padded_length
     from minimax_backend.model.checkpoint import load_checkpoint
     from minimax_backend.model.config import MiniMaxConfig
     from minimax_backend.model.minimax import build_model
@@ -128,7 +130,17 @@ def run_job(rank: int, world_size: int, args: RunArgs) -> None:
                         quantize_fp8=config.quant_method == "fp8")
     load_checkpoint(model, args.checkpoint)
     model.eval()
-    max_len = args.tokens + args.decode_steps
+    options = dict(args.options)
+    # The graph shows TP through its collectives but not EP; tell the backend.
+    options.setdefault("tp_size", world_size)
+    options.setdefault("ep_size", args.ep)
+    if args.dump:
+        options["dump_dir"] = args.dump
+    backend_config = BackendConfig.from_options(options)
+    # Compiled calls are padded to a CUDA-graph bucket (a no-op without CUDA
+    # graphs is not worth a second code path): room in the cache for the pad.
+    prefill_len = padded_length(args.batch, args.tokens, backend_config.cudagraph_buckets, world_size)
+    max_len = max(prefill_len, args.tokens + args.decode_steps) + world_size
     model.allocate_kv_cache(args.batch, max_len)
     timings = {"load": time.perf_counter() - t0}
     progress(f"loaded {args.checkpoint} in {timings['load']:.1f}s")
@@ -137,13 +149,9 @@ def run_job(rank: int, world_size: int, args: RunArgs) -> None:
     input_ids = torch.randint(0, config.vocab_size, (args.batch, args.tokens), generator=gen).to(device)
     positions = torch.arange(args.tokens, device=device).expand(args.batch, -1).contiguous()
 
-    options = dict(args.options)
-    # The graph shows TP through its collectives but not EP; tell the backend.
-    options.setdefault("tp_size", world_size)
-    options.setdefault("ep_size", args.ep)
-    if args.dump:
-        options["dump_dir"] = args.dump
-    compiled = torch.compile(model, backend="minimax", options=options, fullgraph=True, dynamic=False)
+    compiled = BucketedRunner(
+        torch.compile(model, backend="minimax", options=backend_config, fullgraph=True, dynamic=False),
+        backend_config.cudagraph_buckets, multiple=world_size, max_positions=max_len)
 
     with torch.no_grad():
         if not args.compile_only:
@@ -201,6 +209,7 @@ def run_job(rank: int, world_size: int, args: RunArgs) -> None:
         "decode_numerics": decode_numerics,
         "timings_s": timings,
         "dump_dir": report.get("dump_dir"),
+        "cudagraphs": _cudagraph_summary(compile_reports()),
         "torch": torch.__version__,
     }
     print_summary(result)
@@ -211,6 +220,18 @@ def run_job(rank: int, world_size: int, args: RunArgs) -> None:
         torch.save({"input_ids": input_ids.cpu(), "eager": eager_out.cpu(), "compiled": compiled_out.cpu()},
                    args.save_logits)
         print(f"logits written to {args.save_logits}")
+
+
+def _cudagraph_summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Captured token counts, uncaptured ones and the shared pool size over this job's compiles."""
+    infos = [r.get("cudagraphs") or {} for r in reports]
+    return {
+        "enabled": any(i.get("enabled") for i in infos),
+        "skipped": next((i["skipped"] for i in infos if i.get("skipped")), None),
+        "captured_tokens": sorted({c["tokens"] for i in infos for c in i.get("captured", [])}),
+        "uncaptured_tokens": sorted({c["tokens"] for i in infos for c in i.get("uncaptured", [])}),
+        "pool_bytes": max([i.get("pool_bytes", 0) for i in infos] or [0]),
+    }
 
 
 def print_summary(result: dict[str, Any]) -> None:
@@ -237,5 +258,11 @@ def print_summary(result: dict[str, Any]) -> None:
         d = result["decode_numerics"]
         print(f"decode:  max abs err {d['max_abs_err']:.3g}, rel {d['max_rel_err']:.3g}, "
               f"argmax agreement {100 * d['argmax_agreement']:.1f}%")
+    cg = result.get("cudagraphs") or {}
+    if cg.get("enabled"):
+        print(f"cuda graphs: captured at {cg['captured_tokens']} tokens, shared pool {cg['pool_bytes'] / 2**20:.1f} MiB"
+              + (f", run without a graph at {cg['uncaptured_tokens']}" if cg["uncaptured_tokens"] else ""))
+    else:
+        print(f"cuda graphs: off ({cg.get('skipped')})")
     t = result["timings_s"]
     print("timings (s, medians): " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()))

@@ -1,0 +1,79 @@
+"""Run a (compiled) model at bucket sizes: pad the tokens, slice the result.
+
+CUDA graphs are captured per token count (graph_passes/cudagraph_capture.py),
+so callers pad every call to one of a few bucket sizes. For our model a pad
+is safe to append at the end of each sequence: the pad tokens take the next
+positions, attention is causal (real tokens never see them), the MoE treats
+tokens independently, and the KV-cache slots they write lie past every real
+position (masked until a real token overwrites them). So the logits of the
+real tokens are unchanged.
+
+Padding runs along the sequence dimension; a batch of B sequences pads each
+to S' with B * S' a bucket. When no bucket fits (B does not divide one, or
+the pad would run past the KV cache) the call runs unpadded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..graph_passes.buckets import effective_buckets
+
+__all__ = ["BucketedRunner", "padded_length", "pad_tokens"]
+
+
+def padded_length(batch: int, seq: int, buckets: Sequence[int], multiple: int = 1,
+                  last_position: int | None = None, max_positions: int | None = None) -> int:
+    """Sequence length S' >= seq with batch * S' a bucket; `seq` itself when none fits."""
+    for b in effective_buckets(buckets, multiple):
+        if b < batch * seq or b % batch:
+            continue
+        target = b // batch
+        if max_positions is not None and last_position is not None and last_position + target - seq >= max_positions:
+            return seq  # the pad would write past the KV cache
+        return target
+    return seq
+
+
+def pad_tokens(input_ids: torch.Tensor, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S] ids / positions -> [B, length]: pad ids 0 at the next positions."""
+    batch, seq = input_ids.shape
+    if length < seq:
+        raise ValueError(f"cannot pad {seq} tokens down to {length}")
+    extra = length - seq
+    if extra == 0:
+        return input_ids, positions
+    pad_ids = input_ids.new_zeros(batch, extra)
+    step = torch.arange(1, extra + 1, device=positions.device, dtype=positions.dtype)
+    pad_pos = positions[:, -1:] + step[None]
+    return torch.cat([input_ids, pad_ids], 1), torch.cat([positions, pad_pos], 1)
+
+
+def _slice(out: Any, batch: int, length: int, seq: int) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out[:, :seq] if out.dim() >= 2 and tuple(out.shape[:2]) == (batch, length) else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_slice(o, batch, length, seq) for o in out)
+    return out
+
+
+class BucketedRunner:
+    """`runner(input_ids, positions)`: the model's outputs for the real tokens, run at a bucket size."""
+
+    def __init__(self, model: Callable, buckets: Sequence[int], multiple: int = 1, max_positions: int | None = None):
+        self.model = model
+        self.buckets = effective_buckets(buckets, multiple)
+        self.max_positions = max_positions
+
+    def length_for(self, input_ids: torch.Tensor, positions: torch.Tensor) -> int:
+        batch, seq = input_ids.shape
+        last = int(positions[:, -1].max()) if self.max_positions is not None else None
+        return padded_length(batch, seq, self.buckets, 1, last, self.max_positions)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        batch, seq = input_ids.shape
+        length = self.length_for(input_ids, positions)
+        ids, pos = pad_tokens(input_ids, positions, length)
+        return _slice(self.model(ids, pos), batch, length, seq)

@@ -1,0 +1,225 @@
+"""End to end: an M3-shaped model, eager vs stock torch.compile vs our backend,
+and an ablation that turns each of our passes off in turn.
+
+    python -m minimax_backend.tools.bench_e2e --tp 2 --ep 2 --json e2e.json
+
+The model is the `m3-slice` preset at real width (hidden 6144, 64 query / 4
+KV heads, 128 experts top-4, the 3 dense layers and `--moe-layers` MoE
+layers), FP8 block-scaled weights, random. Workloads: prefill of
+`--prefill` tokens (one sequence, no KV cache) and one decode step for each
+`--decode-batch` size with a `--context`-token KV cache (filled with random
+values: the attention cost does not depend on them). Variants:
+
+  eager            the model as written
+  inductor         torch.compile(model) (Inductor default)
+  reduce-overhead  torch.compile(model, mode="reduce-overhead")
+  minimax          backend="minimax", every default (passes + CUDA graphs)
+  minimax-no-X     the same with X off (sp, normquant, gemmrs, megamoe, cudagraphs)
+
+Each variant is compiled on its first call at each size (timed as compile_s),
+then timed (CUDA events, medians of --repeats, a barrier before each call so
+the ranks start together). Every variant's logits are compared with eager's
+(relative error to the largest logit, argmax agreement). Rank 0 prints one
+table per workload kind and writes the JSON after every workload, so a run cut
+short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ABLATIONS = {
+    "minimax-no-sp": {"sequence_parallel": "off"},
+    "minimax-no-normquant": {"fuse_norm_quant": "off"},
+    "minimax-no-gemmrs": {"gemm_reduce_scatter": "off"},
+    "minimax-no-megamoe": {"moe_lower": "off"},
+    "minimax-no-cudagraphs": {"cudagraphs": False},
+}
+VARIANTS = ("eager", "inductor", "reduce-overhead", "minimax", *ABLATIONS)
+
+
+def make_variant(name: str, model, tp: int, ep: int):
+    if name == "eager":
+        return model
+    if name == "inductor":
+        return torch.compile(model, fullgraph=True, dynamic=False)
+    if name == "reduce-overhead":
+        return torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    import minimax_backend.graph_passes as gp
+
+    options = {"tp_size": tp, "ep_size": ep, **ABLATIONS.get(name, {})}
+    return gp.compile(model, dynamic=False, **options)
+
+
+def _logits(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _workloads(args):
+    for tokens in args.prefill:
+        yield {"kind": "prefill", "tokens": tokens, "batch": 1}
+    for batch in args.decode_batch:
+        yield {"kind": "decode", "tokens": batch, "batch": batch}
+
+
+def _inputs(work, config, device, context):
+    gen = torch.Generator(device).manual_seed(work["tokens"] * 31 + work["batch"])
+    if work["kind"] == "prefill":
+        ids = torch.randint(0, config.vocab_size, (1, work["tokens"]), device=device, generator=gen)
+        return ids, torch.arange(work["tokens"], device=device)[None]
+    ids = torch.randint(0, config.vocab_size, (work["batch"], 1), device=device, generator=gen)
+    return ids, torch.full((work["batch"], 1), context, device=device, dtype=torch.long)
+
+
+def _fill_cache(model, batch: int, context: int, seed: int) -> None:
+    model.allocate_kv_cache(batch, context + 8)
+    gen = torch.Generator(model.lm_head.weight.device).manual_seed(seed)
+    for layer in model.layers:
+        cache = layer.self_attn.kv_cache
+        for buf in (cache.k, cache.v):
+            buf.copy_(torch.randn(buf.shape, generator=gen, device=buf.device, dtype=torch.float32).to(buf.dtype))
+
+
+def job(rank: int, world: int, args) -> None:
+    from minimax_backend.graph_passes.backend import compile_reports
+    from minimax_backend.model.config import load_preset
+    from minimax_backend.model.minimax import build_model
+    from minimax_backend.model.parallel import ParallelState
+    from minimax_backend.tools.bench_common import fast_random_weights, median_ms, print_table, write_json
+    from minimax_backend.tools.run_job import compare_logits
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    t_start = time.perf_counter()
+
+    def progress(msg):
+        if rank == 0:
+            print(f"[e2e {time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
+    base = load_preset(args.preset)
+    dense = len(base.dense_layers)
+    config = base.replace(num_hidden_layers=dense + args.moe_layers,
+                          mlp_layer_types=("dense",) * dense + ("moe",) * args.moe_layers)
+    config.validate_for_parallel(world, args.ep)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    model = build_model(config, ParallelState.from_world(args.ep), dtype=torch.bfloat16, device=device,
+                        quantize_fp8=not args.bf16)
+    fast_random_weights(model, seed=0)
+    model.eval()
+    progress(f"built {args.preset}: {dense} dense + {args.moe_layers} MoE layers, "
+             f"{'BF16' if args.bf16 else 'FP8'} weights, TP {world} / EP {args.ep}")
+    variants = {name: make_variant(name, model, world, args.ep) for name in args.variants}
+    barrier = dist.barrier if dist.is_initialized() else None
+    rows, compile_info = [], {}
+    with torch.no_grad():
+        for work in _workloads(args):
+            label = f"{work['kind']} {work['tokens'] if work['kind'] == 'prefill' else 'batch ' + str(work['batch'])}"
+            if work["kind"] == "decode":
+                _fill_cache(model, work["batch"], args.context, seed=work["batch"])
+            else:
+                model.free_kv_cache()
+            ids, pos = _inputs(work, config, device, args.context)
+            row = {"workload": work["kind"], "tokens": work["tokens"], "batch": work["batch"]}
+            reference = None
+            for name, fn in variants.items():
+                n_reports = len(compile_reports())
+                torch.cuda.synchronize() if device.type == "cuda" else None
+                t0 = time.perf_counter()
+                out = _logits(fn(ids, pos))
+                torch.cuda.synchronize() if device.type == "cuda" else None
+                first = time.perf_counter() - t0
+                if name == "eager":
+                    reference = out.clone()
+                else:
+                    num = compare_logits(reference, out) if reference is not None else {}
+                    row[f"{name}_rel_err"] = num.get("max_rel_err")
+                    row[f"{name}_argmax"] = num.get("argmax_agreement")
+                del out
+                ms = median_ms(lambda: fn(ids, pos), args.warmup, args.repeats, barrier)
+                row[f"{name}_ms"] = ms
+                row[f"{name}_first_call_s"] = first
+                new = compile_reports()[n_reports:]
+                if new:
+                    compile_info[f"{label}/{name}"] = {
+                        "passes": [{k: p.get(k) for k in ("name", "enabled", "matches", "skipped")} for p in new[-1]["passes"]],
+                        "cudagraphs": new[-1].get("cudagraphs"), "timings_s": new[-1].get("timings_s")}
+                extra = f", rel err {row.get(f'{name}_rel_err', 0) or 0:.2e}" if name != "eager" else ""
+                progress(f"{label}: {name:<22} {ms:8.3f} ms (first call {first:5.1f}s{extra})")
+            for name in args.variants:
+                if name != "eager" and "eager" in variants:
+                    row[f"x_vs_eager_{name}"] = row["eager_ms"] / row[f"{name}_ms"]
+            if "minimax" in variants:
+                for name in ("inductor", "reduce-overhead", *ABLATIONS):
+                    if name in variants:
+                        row[f"minimax_x_vs_{name}"] = row[f"{name}_ms"] / row["minimax_ms"]
+            rows.append(row)
+            del reference
+            if rank == 0 and args.json:
+                write_json(args.json, {"benchmark": "e2e", "tp": world, "ep": args.ep, "preset": args.preset,
+                                       "moe_layers": args.moe_layers, "fp8": not args.bf16, "context": args.context,
+                                       "repeats": args.repeats, "variants": list(args.variants), "rows": rows,
+                                       "compiles": compile_info})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if rank == 0:
+        _tables(rows, args.variants)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        if barrier:
+            barrier()
+        sys.stdout.flush()
+        os._exit(0)  # skip destroy_process_group(): it hung after symmetric memory on the GPU box
+
+
+def _tables(rows, variants) -> None:
+    for kind in ("prefill", "decode"):
+        part = [r for r in rows if r["workload"] == kind]
+        if not part:
+            continue
+        key = "tokens" if kind == "prefill" else "batch"
+        print_cols = [key] + [f"{v}_ms" for v in variants]
+        from minimax_backend.tools.bench_common import print_table
+
+        print_table(part, print_cols, title=f"\n{kind}: median ms")
+        ratio_cols = [key] + [c for c in part[0] if c.startswith("minimax_x_vs_") or c == "x_vs_eager_minimax"]
+        print_table(part, ratio_cols, title=f"{kind}: speed-up of minimax (other / minimax)")
+        err_cols = [key] + [c for c in part[0] if c.endswith("_rel_err") or c.endswith("_argmax")]
+        print_table(part, err_cols, title=f"{kind}: logits vs eager")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--moe-layers", type=int, default=2)
+    p.add_argument("--prefill", type=int, nargs="*", default=[1024, 4096, 8192])
+    p.add_argument("--decode-batch", type=int, nargs="*", default=[1, 4, 16, 64])
+    p.add_argument("--context", type=int, default=8192, help="KV-cache length before the decode step")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--bf16", action="store_true", help="BF16 weights instead of FP8")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--preset", default="m3-slice", help="model shape (tiny-m3 for a CPU smoke run)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs CUDA GPUs (--device cpu --preset tiny-m3 for a smoke run)")
+    if "eager" not in args.variants:
+        args.variants = ["eager", *args.variants]  # the numerics reference
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    from minimax_backend.tools.launch import run_on_ranks
+
+    run_on_ranks(job, args.tp, args.device, args)
+
+
+if __name__ == "__main__":
+    main()
