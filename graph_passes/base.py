@@ -67,6 +67,19 @@ def _group_size(group_name: str) -> int | None:
         return None
 
 
+def _stream_tokens(gm: torch.fx.GraphModule) -> int | None:
+    """Rows of the first all-reduce's input (the embedding's [T, H]) when static."""
+    from ..patterns import op_name, val
+
+    for node in gm.graph.nodes:
+        if op_name(node) == "_c10d_functional.all_reduce":
+            v = val(node.args[0])
+            if isinstance(v, torch.Tensor) and v.dim() >= 1 and isinstance(v.shape[0], int):
+                return v.shape[0]
+            return None
+    return None
+
+
 @dataclass
 class PassContext:
     """What a pass may know besides the graph: config, parallel sizes, inputs."""
@@ -80,6 +93,7 @@ class PassContext:
     group_names: tuple[str, ...] = ()  # process groups the graph's collectives use
     example_inputs: Sequence[Any] = ()  # fake tensors / SymInts of the ATen graph's inputs
     fake_mode: Any = None  # FakeTensorMode of the trace: build meta["val"] of new nodes with it
+    num_tokens: int | None = None  # rows of the residual stream (the first all-reduce), None if unknown
     shared: dict[str, Any] = field(default_factory=dict)  # notes passes leave for later passes
 
     @classmethod
@@ -104,6 +118,7 @@ class PassContext:
             group_names=tuple(groups),
             example_inputs=tuple(example_inputs),
             fake_mode=detect_fake_mode(list(example_inputs)),
+            num_tokens=_stream_tokens(gm),
             shared={"graph_module": gm},
         )
 

@@ -55,6 +55,12 @@ class BackendConfig:
     # matmul + NCCL reduce-scatter from M = 256 (BF16) and M = 512-1024 (FP8)
     # on; 1024 is the largest of those, so the fused path is never slower.
     gemm_rs_min_tokens: int = 1024
+    # Sequence parallelism (auto) only at or above this many tokens. Measured on
+    # 2 x H200, 2026-11-30 (tools/bench_e2e.py): it cost 10% of a decode step at
+    # 16 tokens (4.33 vs 3.89 ms) and was neutral at 8192 (57.11 vs 57.18 ms);
+    # issue 4's benchmark saw 1.15x at 1024 with MoE layers. Sizes between 16
+    # and 1024 are not measured: off there until they are.
+    sequence_parallel_min_tokens: int = 1024
     quant_format: str = field(default="fp8_block128", metadata={"choices": QUANT_FORMATS})
     # Gather FP8 data + scales instead of BF16 before the QKV GEMM (half the bytes).
     fp8_allgather: bool = False
@@ -141,6 +147,7 @@ class BackendConfig:
 
 _TYPES = {
     "gemm_rs_min_tokens": int,
+    "sequence_parallel_min_tokens": int,
     "fp8_allgather": bool,
     "strict": bool,
     "cudagraphs": bool,
@@ -161,7 +168,7 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
         if not isinstance(value, bool):
             raise BackendOptionError(f"option {name}={value!r}: must be a bool")
     elif want is int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "gemm_rs_min_tokens" else 1):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name.endswith("_min_tokens") else 1):
             raise BackendOptionError(f"option {name}={value!r}: must be a positive int")
     elif name in ("tp_size", "ep_size"):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

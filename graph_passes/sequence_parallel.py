@@ -1,9 +1,10 @@
 """Sequence parallelism: the residual stream stays split by token across TP ranks.
 
 The rewrite itself is in sequence_parallel_rewrite.py; this file decides
-when it runs and what it reports. The auto rule is the source engine's: on
+when it runs and what it reports. The auto rule is the source engine's (on
 for TP > 1 with expert parallelism, the fused MoE backend and a single
-pipeline stage. MTP blocks never reach this graph (the MTP module has its own
+pipeline stage), plus a token floor measured on our GPUs
+(``sequence_parallel_min_tokens``: it cost time at decode sizes). MTP blocks never reach this graph (the MTP module has its own
 forward), and pipeline parallelism is not handled: the record says both.
 """
 
@@ -23,7 +24,7 @@ UNTOUCHED = "left untouched: MTP blocks (separate forward, not in this graph); p
 class SequenceParallelPass(GraphPass):
     name = "sequence_parallel"
     switch = "sequence_parallel"
-    config_fields = ("pp_size",)
+    config_fields = ("pp_size", "sequence_parallel_min_tokens")
     hash_modules = (
         "minimax_backend.graph_passes.sequence_parallel_rewrite",
         "minimax_backend.patterns.token_wise",
@@ -42,6 +43,9 @@ class SequenceParallelPass(GraphPass):
             return "off without expert parallelism (set ep_size, or sequence_parallel='on')"
         if self.config.moe_lower == "off":
             return "off without the fused MoE backend (moe_lower is 'off')"
+        floor = self.config.sequence_parallel_min_tokens
+        if ctx.num_tokens is not None and ctx.num_tokens < floor:
+            return f"off below sequence_parallel_min_tokens={floor} ({ctx.num_tokens} tokens: measured slower at decode sizes)"
         return None
 
     def apply(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:

@@ -21,7 +21,8 @@ def test_run_json_at_tp2_ep2(tmp_path):
     report = tmp_path / "report.json"
     logits = tmp_path / "logits.pt"
     proc = _cli("run", "--tp", "2", "--ep", "2", "--tokens", "7", "--decode-steps", "1", "--repeats", "1",
-                "--options", '{"codegen": "fx"}', "--json", str(report), "--save-logits", str(logits),
+                "--options", '{"codegen": "fx", "sequence_parallel_min_tokens": 0}', "--json", str(report),
+                "--save-logits", str(logits),
                 "--dump", str(tmp_path / "dump"), tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "writing the built-in tiny-m3 checkpoint" in proc.stdout  # first use makes it
@@ -30,7 +31,7 @@ def test_run_json_at_tp2_ep2(tmp_path):
     assert {"tp", "ep", "tokens", "passes", "ops_before", "ops_after", "numerics", "timings_s"} <= set(r)
     assert (r["tp"], r["ep"], r["tokens"]) == (2, 2, 7)
     sp = next(p for p in r["passes"] if p["name"] == "sequence_parallel")
-    assert sp["enabled"] and sp["matches"] == 7  # auto: TP 2 with EP 2
+    assert sp["enabled"] and sp["matches"] == 7  # auto: TP 2 with EP 2 (token floor lowered to 0)
     assert r["ops_before"]["_c10d_functional.all_reduce"] == 7
     assert "_c10d_functional.all_reduce" not in r["ops_after"]
     # SP made 7 reduce-scatters; the later passes fold 6 of them into fused ops:

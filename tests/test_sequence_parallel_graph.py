@@ -185,21 +185,36 @@ def test_graph_without_collectives_is_not_recognized():
 
 
 @pytest.mark.parametrize(
-    "options, tp, ep, enabled, reason",
+    "options, tp, ep, tokens, enabled, reason",
     [
-        ({}, 2, 2, True, None),
-        ({}, 2, 1, False, "without expert parallelism"),
-        ({"moe_lower": "off"}, 2, 2, False, "fused MoE backend"),
-        ({"sequence_parallel": "on"}, 2, 1, True, None),
-        ({"sequence_parallel": "off"}, 4, 4, False, "off in config"),
-        ({"sequence_parallel": "on"}, 1, 1, False, "TP is 1"),
-        ({"sequence_parallel": "on", "pp_size": 2}, 2, 2, False, "pipeline"),
+        ({}, 2, 2, None, True, None),  # token count unknown: no floor
+        ({}, 2, 2, 4096, True, None),
+        ({}, 2, 1, 4096, False, "without expert parallelism"),
+        ({"moe_lower": "off"}, 2, 2, 4096, False, "fused MoE backend"),
+        ({"sequence_parallel": "on"}, 2, 1, 4096, True, None),
+        ({"sequence_parallel": "off"}, 4, 4, 4096, False, "off in config"),
+        ({"sequence_parallel": "on"}, 1, 1, 4096, False, "TP is 1"),
+        ({"sequence_parallel": "on", "pp_size": 2}, 2, 2, 4096, False, "pipeline"),
+        ({}, 2, 2, 16, False, "below sequence_parallel_min_tokens=1024 (16 tokens"),  # a decode step
+        ({"sequence_parallel_min_tokens": 16}, 2, 2, 16, True, None),
+        ({"sequence_parallel": "on"}, 2, 2, 16, True, None),  # 'on' ignores the floor
     ],
 )
-def test_auto_rule_and_overrides(options, tp, ep, enabled, reason):
+def test_auto_rule_and_overrides(options, tp, ep, tokens, enabled, reason):
     config = BackendConfig.from_options(options)
-    ctx = PassContext(config=config, tp_size=tp, ep_size=ep, pp_size=config.pp_size)
+    ctx = PassContext(config=config, tp_size=tp, ep_size=ep, pp_size=config.pp_size, num_tokens=tokens)
     on, why = SequenceParallelPass(config).decide(ctx)
     assert on is enabled
     if reason:
         assert reason in why
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 2048])
+def test_context_reads_the_token_count_and_auto_applies_the_floor(fake_group, tokens):
+    gm = _trace(fake_group, tokens)
+    config = BackendConfig(tp_size=2, ep_size=2)
+    ctx = PassContext.from_graph(config, gm)
+    assert ctx.num_tokens == tokens
+    on, why = SequenceParallelPass(config).decide(ctx)
+    assert on is (tokens >= config.sequence_parallel_min_tokens), why
+    assert PassContext.from_graph(config, make_fx(lambda x: x @ x)(torch.randn(4, 4))).num_tokens is None
