@@ -33,10 +33,13 @@ __all__ = [
 ]
 
 
-def compile(model, *, fullgraph: bool = True, dynamic: bool | None = None, config: BackendConfig | None = None,
+def compile(model, *, fullgraph: bool = True, dynamic: bool | None = False, config: BackendConfig | None = None,
             **options: Any):
-    """torch.compile(model, backend=minimax_backend, fullgraph=True) with the
-    options checked now rather than at the first call."""
+    """torch.compile(model, backend=minimax_backend, fullgraph=True, dynamic=False) with the
+    options checked now rather than at the first call. Static shapes by default:
+    sequence parallelism needs a static token count, and each CUDA-graph bucket
+    is its own compile anyway (with dynamic=None, Dynamo would make the token
+    count symbolic at the second size and the passes would leave the graph alone)."""
     import torch
 
     cfg = config.replace(**options) if config is not None else BackendConfig.from_options(options or None)

@@ -69,6 +69,8 @@ def minimax_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opt
         warnings.warn(f"minimax backend ignores mode={mode!r}; use options={{...}}", stacklevel=2)
     config = BackendConfig.from_options(options)
     manager = PassManager(config)  # fails early on 'on' for a pass not implemented yet
+    if config.cudagraphs:
+        _allow_one_compile_per_bucket(config)
     compile_index = len(_REPORTS)
 
     def inference_compiler(aten_gm: torch.fx.GraphModule, aten_inputs: Sequence[Any]):
@@ -104,6 +106,21 @@ def minimax_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opt
         _REPORTS[-1]["timings_s"]["total"] = time.perf_counter() - t0
         gm.meta["minimax_report"] = _REPORTS[-1]
     return compiled
+
+
+def _allow_one_compile_per_bucket(config: BackendConfig) -> None:
+    """Each bucket size is a recompile (static shapes); Dynamo's default limit (8)
+    would silently run the sizes after the 8th uncompiled. Raise it once."""
+    need = len(config.cudagraph_buckets) + 8
+    for name in ("recompile_limit", "cache_size_limit"):  # the newer name first
+        current = getattr(torch._dynamo.config, name, None)
+        if current is None:
+            continue
+        if current < need:
+            setattr(torch._dynamo.config, name, need)
+            log.info("minimax: torch._dynamo.config.%s %d -> %d (one compile per CUDA-graph bucket)",
+                     name, current, need)
+        return
 
 
 def _bucket_multiple(report: dict[str, Any]) -> int:

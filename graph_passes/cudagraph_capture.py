@@ -51,9 +51,12 @@ WARMUP_RUNS = 2
 _POOLS: dict[int, Any] = {}  # device index -> graph pool handle shared by all captures
 
 
-def capture_available() -> tuple[bool, str | None]:
+def capture_available(example_inputs: Sequence[Any]) -> tuple[bool, str | None]:
+    """Whether graphs of these inputs can be captured, and if not why (tests on CPU replace this)."""
     if not torch.cuda.is_available():
         return False, "no CUDA device: CUDA graphs not captured, the compiled code runs directly"
+    if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in example_inputs):
+        return False, "the graph's inputs are not on a CUDA device: CUDA graphs not captured"
     return True, None
 
 
@@ -96,6 +99,27 @@ def token_count(args: Sequence[Any], dynamic_idxs: Sequence[int]) -> int | None:
     return tensors[0].shape[0] if tensors and tensors[0].dim() else None
 
 
+class CudaOps:
+    """The CUDA side of a capture (tests on CPU put a simulation in its place)."""
+
+    @staticmethod
+    def capture(call: Callable[[], Any], device: torch.device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                call()
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=shared_pool(device), capture_error_mode="thread_local"):
+            outputs = call()
+        torch.cuda.synchronize(device)
+        return graph, outputs
+
+    pool_bytes = staticmethod(pool_bytes)
+
+
 class _Graph:
     """One captured shape: the graph, its static inputs and outputs."""
 
@@ -112,6 +136,7 @@ class CapturedGraphs:
     """Boxed callable (takes the argument list) around a compiled function."""
 
     _boxed_call = True
+    device_ops = CudaOps  # the CUDA calls (a simulation in the CPU tests)
 
     def __init__(self, run: Callable[[list], Any], example_inputs: Sequence[Any], static_idxs: Sequence[int],
                  mutated_idxs: Sequence[int], buckets: Sequence[int], copy_outputs: bool, report: dict):
@@ -124,7 +149,6 @@ class CapturedGraphs:
         self.buckets = tuple(buckets)
         self.copy_outputs = copy_outputs
         self.graphs: dict[tuple, _Graph] = {}
-        self.device_ops = CudaOps
         self.uncaptured: set[tuple] = set()
         self.report = report.setdefault("cudagraphs", {"enabled": True, "captured": [], "uncaptured": [],
                                                       "pool_bytes": 0, "skipped": None})
@@ -194,33 +218,11 @@ class CapturedGraphs:
         return entry
 
 
-class CudaOps:
-    """The CUDA side of a capture (tests on CPU put a simulation in its place)."""
-
-    @staticmethod
-    def capture(call: Callable[[], Any], device: torch.device):
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                call()
-        torch.cuda.current_stream(device).wait_stream(side)
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=shared_pool(device), capture_error_mode="thread_local"):
-            outputs = call()
-        torch.cuda.synchronize(device)
-        return graph, outputs
-
-    pool_bytes = staticmethod(pool_bytes)
-
-
 def wrap(compiled, example_inputs: Sequence[Any], static_idxs: Sequence[int], mutated_idxs: Sequence[int],
          config, report: dict, bucket_multiple: int = 1):
     """The compiled function, captured per shape when CUDA is there; else as is (noted in the report)."""
-    ok, why = capture_available()
-    if not ok or not any(isinstance(a, torch.Tensor) and a.is_cuda for a in example_inputs):
-        why = why or "the graph's inputs are not on a CUDA device: CUDA graphs not captured"
+    ok, why = capture_available(example_inputs)
+    if not ok:
         report["cudagraphs"] = {"enabled": False, "skipped": why, "captured": [], "uncaptured": [], "pool_bytes": 0}
         log.info("minimax: cudagraphs: %s", why)
         return compiled

@@ -225,3 +225,29 @@ def test_wrapper_hands_writes_to_per_call_inputs_back():
     # warm-ups and capture wrote our copy only; it is reset from x before the
     # replay, whose one increment is copied back
     assert x.tolist() == [1.0, 1.0]
+
+
+# ------------------------------------------------------------ the GPU test's bookkeeping, on gloo
+def _two_ranks_every_pass_simulated(rank, world):
+    """tests/test_cudagraph_gpu.py's two-GPU check with the CUDA calls simulated: buckets,
+    padding, captured / uncaptured sizes and replays under SP, GEMM-RS and MegaMoE."""
+    import test_cudagraph_gpu as gpu_check
+    from minimax_backend.model.parallel import ParallelState
+
+    cg.capture_available = lambda example_inputs: (True, None)
+    cg.CapturedGraphs.device_ops = SimOps
+    model = build_model(tiny_m3_config(), ParallelState.from_world(world), dtype=torch.bfloat16, device="cpu",
+                        quantize_fp8=True)
+    model = init_random_weights(model, seed=0)
+    options = {"codegen": "fx", "strict": True, "tp_size": world, "ep_size": world,
+               "sequence_parallel": "on", "fuse_norm_quant": "on", "gemm_reduce_scatter": "on",
+               "moe_canonicalize": "on", "moe_lower": "on", "gemm_rs_min_tokens": 0}
+    return gpu_check._compare(model, options, torch.device("cpu"), rel_tol=1e-2, multiple=world)
+
+
+@pytest.mark.slow
+def test_two_rank_capture_bookkeeping_on_gloo():
+    from multirank import run_multirank
+
+    for result in run_multirank(_two_ranks_every_pass_simulated, 2, timeout=600):
+        assert result["captured"] == [2, 8, 64] and result["max_rel_err"] <= 1e-2, result
