@@ -15,6 +15,7 @@ the pad would run past the KV cache) the call runs unpadded.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -77,3 +78,27 @@ class BucketedRunner:
         length = self.length_for(input_ids, positions)
         ids, pos = pad_tokens(input_ids, positions, length)
         return _slice(self.model(ids, pos), batch, length, seq)
+
+    def warm_up(self, device: torch.device | str, batch: int = 1, sizes: Sequence[int] | None = None,
+                progress: Callable[[str], None] = print) -> dict[int, float]:
+        """Compile and capture every bucket (or `sizes`) now, one progress line each; seconds per size.
+
+        Runs token id 0 at positions 0.. : it writes those KV-cache slots, which
+        the first real prefill overwrites. Sizes must be multiples of `batch`.
+        """
+        sizes = [b for b in (sizes or self.buckets) if b % batch == 0]
+        if self.max_positions is not None:
+            sizes = [b for b in sizes if b // batch <= self.max_positions]
+        timings = {}
+        for i, size in enumerate(sizes, 1):
+            seq = size // batch
+            ids = torch.zeros(batch, seq, dtype=torch.long, device=device)
+            pos = torch.arange(seq, device=device).expand(batch, -1).contiguous()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                self(ids, pos)
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
+            timings[size] = time.perf_counter() - t0
+            progress(f"[minimax] warm-up {i}/{len(sizes)}: {size} tokens in {timings[size]:.1f}s")
+        return timings

@@ -96,6 +96,19 @@ def test_padded_prefill_and_decode_equal_unpadded(tiny_model, tokens):
     tiny_model.free_kv_cache()
 
 
+def test_warm_up_runs_every_bucket_with_progress(tiny_model):
+    calls, lines = [], []
+
+    def model(ids, pos):
+        calls.append(tuple(ids.shape))
+        return torch.zeros(*ids.shape, 3)
+
+    runner = BucketedRunner(model, buckets=(1, 2, 4, 8, 64), multiple=2, max_positions=16)
+    timings = runner.warm_up("cpu", batch=2, progress=lines.append)
+    assert calls == [(2, 1), (2, 2), (2, 4)]  # 2, 4, 8 tokens; 64 would need 32 positions > 16
+    assert sorted(timings) == [2, 4, 8] and len(lines) == 3 and "warm-up 3/3: 8 tokens" in lines[-1]
+
+
 # ------------------------------------------------------------ CPU: capture skipped cleanly
 def test_capture_is_skipped_without_a_gpu(tiny_model, caplog):
     ids = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(1))
