@@ -181,9 +181,11 @@ def test_dump_stages(monkeypatch, tmp_path):
         assert (tmp_path / rep["dump_index"]).exists()
 
 
-def test_recompile_for_a_new_token_count_adds_a_report():
+@pytest.mark.parametrize("dynamic, compiles", [(False, (3, 3)), (None, (1, 2))])
+def test_recompile_for_a_new_token_count_adds_a_report(dynamic, compiles):
+    torch._dynamo.reset()
     m = Mlp()
-    f = gp.compile(m, codegen="fx")
+    f = gp.compile(m, codegen="fx", dynamic=dynamic)  # gp.compile's default: static, one compile per size
     n0 = len(gp.compile_reports())
     for t in (3, 6, 9):
         x, pos = _inputs(t)
@@ -192,7 +194,8 @@ def test_recompile_for_a_new_token_count_adds_a_report():
         ref_m = Mlp()
         ref_m.load_state_dict({k: v for k, v in m.state_dict().items() if k != "cache"}, strict=False)
         torch.testing.assert_close(out, ref_m(x, pos))
-    assert 1 <= len(gp.compile_reports()) - n0 <= 2  # static, then one dynamic-shape graph
+    # dynamic=None: static first, then one dynamic-shape graph
+    assert compiles[0] <= len(gp.compile_reports()) - n0 <= compiles[1]
 
 
 def test_dataclass_options_through_torch_compile():
