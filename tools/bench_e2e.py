@@ -91,7 +91,7 @@ def job(rank: int, world: int, args) -> None:
     from minimax_backend.model.config import load_preset
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState
-    from minimax_backend.tools.bench_common import fast_random_weights, median_ms, print_table, write_json
+    from minimax_backend.tools.bench_common import fast_random_weights, median_ms, write_json
     from minimax_backend.tools.run_job import compare_logits
 
     for name in ("recompile_limit", "cache_size_limit"):
@@ -179,14 +179,14 @@ def job(rank: int, world: int, args) -> None:
 
 
 def _tables(rows, variants) -> None:
+    from minimax_backend.tools.bench_common import print_table
+
     for kind in ("prefill", "decode"):
         part = [r for r in rows if r["workload"] == kind]
         if not part:
             continue
         key = "tokens" if kind == "prefill" else "batch"
         print_cols = [key] + [f"{v}_ms" for v in variants]
-        from minimax_backend.tools.bench_common import print_table
-
         print_table(part, print_cols, title=f"\n{kind}: median ms")
         ratio_cols = [key] + [c for c in part[0] if c.startswith("minimax_x_vs_") or c == "x_vs_eager_minimax"]
         print_table(part, ratio_cols, title=f"{kind}: speed-up of minimax (other / minimax)")

@@ -1,0 +1,28 @@
+"""tools/bench_e2e.py runs end to end on CPU (2 gloo ranks, tiny FP8 model) and
+writes the JSON the README table is made from."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+
+@pytest.mark.slow
+def test_bench_e2e_smoke_on_cpu(tmp_path):
+    from minimax_backend.tools import bench_e2e
+
+    out = tmp_path / "e2e.json"
+    bench_e2e.main(["--device", "cpu", "--preset", "tiny-m3-fp8", "--prefill", "15", "--decode-batch", "2",
+                    "--context", "32", "--variants", "minimax", "minimax-no-sp", "--repeats", "1", "--warmup", "0",
+                    "--json", str(out)])
+    d = json.loads(out.read_text())
+    assert [(r["workload"], r["tokens"]) for r in d["rows"]] == [("prefill", 15), ("decode", 2)]
+    for row in d["rows"]:
+        for v in ("eager", "minimax", "minimax-no-sp"):  # eager is always added as the reference
+            assert math.isfinite(row[f"{v}_ms"]) and row[f"{v}_ms"] > 0
+        assert 0.0 <= row["minimax_argmax"] <= 1.0 and math.isfinite(row["minimax_rel_err"])
+        assert row["minimax_x_vs_minimax-no-sp"] > 0
+    assert d["fp8"] is True and d["tp"] == 2 and d["ep"] == 2
+    assert any(k.endswith("/minimax") for k in d["compiles"])
