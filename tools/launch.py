@@ -64,6 +64,10 @@ def _spawned_rank(rank: int, world_size: int, port: int, device: str, job: Job, 
     _init_group(rank, world_size, device)
     try:
         job(rank, world_size, args)
+        # Ranks leave together: a rank tearing the group down while another
+        # still finishes (rank 0 writes the JSON) crashed gloo once on CI
+        # ("terminate called without an active exception", 2026-11-30).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
