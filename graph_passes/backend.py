@@ -80,8 +80,7 @@ def minimax_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opt
         report["timings_s"]["codegen"] = time.perf_counter() - t0
         log.info("minimax: %s codegen done in %.2fs", config.codegen, report["timings_s"]["codegen"])
         if not config.cudagraphs:
-            report["cudagraphs"] = {"enabled": False, "skipped": "cudagraphs=False", "captured": [],
-                                    "uncaptured": [], "pool_bytes": 0}
+            report["cudagraphs"] = cudagraph_capture.report_entry(skipped="cudagraphs=False")
             return compiled
         return cudagraph_capture.wrap(compiled, aten_inputs, static_input_idxs(), mutated_input_idxs(), config,
                                       report, _bucket_multiple(report))

@@ -46,17 +46,19 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: B
     )
 
 
+def _fw_metadata():
+    """AOT's view of the graph being compiled (None outside a compile)."""
+    ctx = torch._guards.TracingContext.try_get()
+    return getattr(ctx, "fw_metadata", None) if ctx else None
+
+
 def static_input_idxs() -> list[int]:
     # Parameters/buffers are static for cudagraphs (re-recorded if they move),
     # as compile_fx's get_static_input_idxs does.
-    ctx = torch._guards.TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None) if ctx else None
-    return list(getattr(meta, "static_input_indices", None) or [])
+    return list(getattr(_fw_metadata(), "static_input_indices", None) or [])
 
 
 def mutated_input_idxs() -> list[int]:
     """Inputs whose data the graph writes (the KV cache's trailing copy_ ops)."""
-    ctx = torch._guards.TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None) if ctx else None
-    infos = getattr(meta, "input_info", None) or []
+    infos = getattr(_fw_metadata(), "input_info", None) or []
     return [i for i, info in enumerate(infos) if getattr(info, "mutates_data", False)]

@@ -45,10 +45,16 @@ from .buckets import effective_buckets
 
 log = logging.getLogger("minimax")
 
-__all__ = ["CapturedGraphs", "CudaOps", "capture_available", "pool_bytes", "token_count", "wrap"]
+__all__ = ["CapturedGraphs", "CudaOps", "capture_available", "pool_bytes", "report_entry", "token_count", "wrap"]
 
 WARMUP_RUNS = 2
+_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)  # CUDA builds
 _POOLS: dict[int, Any] = {}  # device index -> graph pool handle shared by all captures
+
+
+def report_entry(skipped: str | None = None) -> dict[str, Any]:
+    """The compile report's "cudagraphs" record: enabled unless `skipped` says why not."""
+    return {"enabled": skipped is None, "skipped": skipped, "captured": [], "uncaptured": [], "pool_bytes": 0}
 
 
 def capture_available(example_inputs: Sequence[Any]) -> tuple[bool, str | None]:
@@ -127,7 +133,7 @@ class _Graph:
         self.graph = graph
         self.inputs = inputs  # per-call inputs' static copies, by argument index
         self.outputs = outputs
-        self.static_ptrs = static_ptrs  # data_ptr of every parameter / buffer at capture
+        self.static_ptrs = static_ptrs  # by argument index: data_ptr of each parameter / buffer at capture, else None
         self.seconds = seconds
         self.replays = 0
 
@@ -150,8 +156,7 @@ class CapturedGraphs:
         self.copy_outputs = copy_outputs
         self.graphs: dict[tuple, _Graph] = {}
         self.uncaptured: set[tuple] = set()
-        self.report = report.setdefault("cudagraphs", {"enabled": True, "captured": [], "uncaptured": [],
-                                                      "pool_bytes": 0, "skipped": None})
+        self.report = report.setdefault("cudagraphs", report_entry())
 
     # ------------------------------------------------------------ calling
     def __call__(self, args: list):
@@ -193,7 +198,10 @@ class CapturedGraphs:
         return True
 
     def _static_moved(self, args, graph: _Graph) -> bool:
-        return any(args[i].data_ptr() != p for i, p in zip(self.static_list, graph.static_ptrs))
+        # Every replay checks hundreds of weights: torch's C++ check when the build has it.
+        if _PTRS_EQUAL is not None:
+            return not _PTRS_EQUAL(args, graph.static_ptrs, self.static_list)
+        return any(args[i].data_ptr() != graph.static_ptrs[i] for i in self.static_list)
 
     # ------------------------------------------------------------ capture
     def _capture(self, args: list, key: tuple) -> _Graph:
@@ -209,7 +217,9 @@ class CapturedGraphs:
 
         graph, outputs = self.device_ops.capture(call, device)
         seconds = time.perf_counter() - t0
-        entry = _Graph(graph, inputs, list(outputs), [args[i].data_ptr() for i in self.static_list], seconds)
+        static = set(self.static_list)
+        ptrs = [args[i].data_ptr() if i in static else None for i in range(len(args))]
+        entry = _Graph(graph, inputs, list(outputs), ptrs, seconds)
         self.graphs[key] = entry
         pool = self.device_ops.pool_bytes(device)
         self.report["pool_bytes"] = pool
@@ -223,7 +233,7 @@ def wrap(compiled, example_inputs: Sequence[Any], static_idxs: Sequence[int], mu
     """The compiled function, captured per shape when CUDA is there; else as is (noted in the report)."""
     ok, why = capture_available(example_inputs)
     if not ok:
-        report["cudagraphs"] = {"enabled": False, "skipped": why, "captured": [], "uncaptured": [], "pool_bytes": 0}
+        report["cudagraphs"] = report_entry(skipped=why)
         log.info("minimax: cudagraphs: %s", why)
         return compiled
     boxed = getattr(compiled, "_boxed_call", False)
