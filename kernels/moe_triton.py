@@ -183,10 +183,14 @@ if HAVE_TRITON:
             v = v.to(tl.float16).to(tl.float32)
         return v
 
+    # K (and top_k below) are constexpr: the loops need Python ints as bounds under the
+    # interpreter of triton 3.6 with numpy 2 (a runtime int arrives as a 1-element array
+    # there: "only 0-dimensional arrays can be converted", seen on the GPU box). One
+    # compile per model width either way.
     @triton.jit
     def _gate_up_act_kernel(
         x_ptr, xs_ptr, w_table, ws_table, sorted_pair, block_expert, h_ptr, hs_ptr,
-        K, N_HALF, top_k, n_local, num_m_blocks, stride_x, stride_xs, stride_h, stride_hs,
+        K: tl.constexpr, N_HALF, top_k, n_local, num_m_blocks, stride_x, stride_xs, stride_h, stride_hs,
         alpha, limit, beta,
         ACT: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -271,7 +275,7 @@ if HAVE_TRITON:
     @triton.jit
     def _down_kernel(
         h_ptr, hs_ptr, w_table, ws_table, sorted_pair, block_expert, topk_w, y_ptr,
-        K, N, n_local, num_m_blocks, stride_h, stride_hs, stride_y,
+        K: tl.constexpr, N, n_local, num_m_blocks, stride_h, stride_hs, stride_y,
         FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr, UPCAST: tl.constexpr,
         IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):
@@ -319,7 +323,7 @@ if HAVE_TRITON:
                      mask=n_ok[None, :] & valid[:, None])
 
     @triton.jit
-    def _combine_kernel(y_ptr, pair_row, out_ptr, N, top_k, stride_y, stride_out, BN: tl.constexpr):
+    def _combine_kernel(y_ptr, pair_row, out_ptr, N, top_k: tl.constexpr, stride_y, stride_out, BN: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BN + tl.arange(0, BN)
         ok = offs < N
@@ -372,8 +376,12 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     dev = x.device
     if fp8:
         from .fp8 import quantize_fp8_reference
+        from .norm_quant_triton import quantize_fp8_triton
 
-        xq, xs = quantize_fp8_reference(x, 128)
+        # one Triton kernel on the GPU (bit-equal to the reference, tests/test_norm_quant_gpu.py)
+        # instead of the reference's ~10 elementwise kernels: at decode sizes launches dominate
+        on_gpu = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+        xq, xs = quantize_fp8_triton(x, 128) if on_gpu else quantize_fp8_reference(x, 128)
         h = torch.empty(al.max_rows, n, dtype=FP8_DTYPE, device=dev)
         hs = torch.empty(al.max_rows, n // 128, dtype=torch.float32, device=dev)
         w13_t, ws13_t = _table(w13), _table(w13_scale)
