@@ -10,6 +10,8 @@ once per rank with a process group already initialized:
 
 A rank that raises ends the whole job with that rank's traceback; the group
 is created with a timeout so a broken rank never hangs the others forever.
+On GPUs a finished rank exits its process right after the job (see
+_run_and_leave): call run_on_ranks last.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from typing import Any, Callable
 
 import torch
@@ -58,18 +61,40 @@ def _init_group(rank: int, world_size: int, device: str) -> None:
     )
 
 
+def _run_and_leave(job: Job, rank: int, world_size: int, device: str, args: Any) -> None:
+    """Run the job, then leave the group together with the other ranks.
+
+    Ranks meet at a barrier first: a rank tearing the group down while another
+    still finishes (rank 0 writes the JSON) crashed gloo once on CI
+    ("terminate called without an active exception", 2026-11-30).
+
+    On GPUs the process then exits at once, without destroy_process_group():
+    after NCCL ran inside CUDA graphs (or symmetric memory was used) the
+    teardown hung on the H200 box (2026-11-30: `run --device cuda` under
+    torchrun printed its summary, then never exited). The benchmarks do the
+    same. On an error the exception propagates as usual (CPU: after the group
+    is destroyed; GPU: without destroying it, for the same reason)."""
+    try:
+        job(rank, world_size, args)
+    except BaseException:
+        if device != "cuda":
+            dist.destroy_process_group()
+        raise
+    if device == "cuda":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+        torch.cuda.synchronize()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _spawned_rank(rank: int, world_size: int, port: int, device: str, job: Job, args: Any):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     _init_group(rank, world_size, device)
-    try:
-        job(rank, world_size, args)
-        # Ranks leave together: a rank tearing the group down while another
-        # still finishes (rank 0 writes the JSON) crashed gloo once on CI
-        # ("terminate called without an active exception", 2026-11-30).
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    _run_and_leave(job, rank, world_size, device, args)
 
 
 def run_on_ranks(job: Job, world_size: int, device: str, args: Any) -> None:
@@ -82,10 +107,7 @@ def run_on_ranks(job: Job, world_size: int, device: str, args: Any) -> None:
             )
         rank = int(os.environ["RANK"])
         _init_group(rank, world_size, device)
-        try:
-            job(rank, world_size, args)
-        finally:
-            dist.destroy_process_group()
+        _run_and_leave(job, rank, world_size, device, args)
         return
     if device == "cuda" and torch.cuda.device_count() < world_size:
         raise SystemExit(
