@@ -11,8 +11,11 @@ Three parts, each a table, all in one JSON:
      inductor stock torch.compile of the same plain-torch code
    with the bytes each must move, and the fused kernel's share of the copy
    bandwidth measured on this card (a 1 GiB device-to-device copy). Target:
-   >= 85% at M >= 4096. The fused kernel's num_warps is swept; `fused_ms` is
-   the default launch, `fused_best_ms` the best of the sweep. Each M also
+   >= 85% at M >= 4096. The fused kernel's num_warps and rows per program
+   are swept; `fused_ms` is the default launch, `fused_best_ms` the best of
+   the sweep. Parts 1 and 2 time CUDA-graph replays of 10 back-to-back calls
+   (as the backend runs them; --no-graphs times single Python launches,
+   which at these sizes mostly measures the host). Each M also
    reports whether the fused outputs equal the reference (fraction of equal
    FP8 bytes; scales and residual must be equal).
 2. gemm: FP8 block-scaled GEMM (1 x 128 activation, 128 x 128 weight scales)
@@ -117,8 +120,9 @@ def part_kernel(args, median_ms, bw) -> list[dict]:
         nbytes = m * HIDDEN * (2 + 2 + 2 + 1) + m * (HIDDEN // GROUP) * 4 + HIDDEN * 2
         row = {"M": m, "MB_moved": nbytes / 1e6}
 
-        def fused(nw=None):
-            return rms_norm_quant_fp8_triton(x, res, w, EPS, True, GROUP, False, num_warps=nw)
+        def fused(nw=None, rows_per_program=None):
+            return rms_norm_quant_fp8_triton(x, res, w, EPS, True, GROUP, False, num_warps=nw,
+                                             rows_per_program=rows_per_program)
 
         out = fused()
         ref = rms_norm_quant_fp8_reference(x, res, w, EPS, True, GROUP, False)
@@ -128,10 +132,12 @@ def part_kernel(args, median_ms, bw) -> list[dict]:
         row["fused_ms"] = median_ms(lambda: fused(), args.warmup, args.repeats)
         sweep = {}
         for nw in (2, 4, 8, 16):
-            sweep[nw] = median_ms(lambda: fused(nw), args.warmup, args.repeats)
+            for rpp in (1, 2, 4):
+                sweep[(nw, rpp)] = median_ms(lambda: fused(nw, rpp), args.warmup, args.repeats)
         best = min(sweep, key=sweep.get)
-        row["default_warps"] = launch_config(HIDDEN, GROUP, m)["num_warps"]
-        row["best_warps"] = best
+        cfg = launch_config(HIDDEN, GROUP, m)
+        row["default_warps"], row["default_rows"] = cfg["num_warps"], cfg["ROWS"]
+        row["best_warps"], row["best_rows"] = best
         row["fused_best_ms"] = sweep[best]
         row["eager_ms"] = median_ms(lambda: _eager(x, res, w), args.warmup, args.repeats)
         inductor(x, res, w)
@@ -260,33 +266,39 @@ def part_allgather(rank, world, args, median_ms) -> list[dict]:
 def job(rank: int, world: int, args) -> None:
     import torch.distributed as dist
 
-    from minimax_backend.tools.bench_common import median_ms, print_table, write_json
+    from minimax_backend.tools.bench_common import graph_median_ms, median_ms, print_table, write_json
 
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor is "deprecated" in 2.13
     global DEV, GEMM_SHAPES
+    kernel_ms = median_ms
+    if args.graphs:  # single-GPU parts: CUDA-graph replays (a Python launch is as long as the kernel)
+        def kernel_ms(fn, warmup, repeats):
+            return graph_median_ms(fn, 10, warmup, repeats)
     if args.dry_run:
         DEV, median_ms = "cpu", _wall_ms
+        kernel_ms = _wall_ms
         GEMM_SHAPES = ((384, 512, "qkv"), (512, 256, "o_proj"))
 
     torch._dynamo.config.cache_size_limit = 64
     t0 = time.time()
-    payload = {"benchmark": "norm_quant", "hidden": HIDDEN, "group": GROUP}
+    payload = {"benchmark": "norm_quant", "hidden": HIDDEN, "group": GROUP,
+               "timing": "CUDA-graph replays of 10 back-to-back calls" if args.graphs else "one launch per timing"}
     if rank == 0:
         bw = _bandwidth_gbs(median_ms)
         payload["copy_bandwidth_GBs"] = bw
         print(f"device-to-device copy bandwidth: {bw:.0f} GB/s (the 100% of 'bw_frac')", flush=True)
         if "kernel" in args.parts:
-            rows = part_kernel(args, median_ms, bw)
+            rows = part_kernel(args, kernel_ms, bw)
             payload["kernel"] = rows
-            print_table(rows, ["M", "MB_moved", "fused_ms", "fused_best_ms", "best_warps", "eager_ms", "inductor_ms",
+            print_table(rows, ["M", "MB_moved", "fused_ms", "fused_best_ms", "best_warps", "best_rows", "eager_ms", "inductor_ms",
                                "fused_bw_frac", "inductor_bw_frac", "speedup_vs_eager", "speedup_vs_inductor",
                                "scales_equal", "fp8_equal_frac"],
                         title=f"residual add + Gemma RMSNorm + FP8 quant, hidden {HIDDEN}, G {GROUP}, "
                               f"medians of {args.repeats}")
         if "gemm" in args.parts:
-            rows = part_gemm(args, median_ms)
+            rows = part_gemm(args, kernel_ms)
             payload["gemm"] = rows
             print_table(rows, ["shape", "M", "N", "K", "bf16_ms", "scaled_mm_ms", "triton_ms", "bf16_TFLOPs",
                                "scaled_mm_TFLOPs", "triton_TFLOPs", "scaled_mm_speedup", "triton_speedup",
@@ -326,6 +338,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default="bench_norm_quant.json")
     p.add_argument("--dry-run", action="store_true", help="check the script on the CPU (see above)")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false",
+                   help="time single launches instead of CUDA-graph replays (includes the host's launch time)")
     args = p.parse_args(argv)
     from minimax_backend.tools.launch import run_on_ranks
 
