@@ -7,7 +7,11 @@ routed to this rank's experts are sorted by expert and three kernels run:
 
     align_by_expert   (torch ops, no host sync) pairs sorted by expert, each
                       expert's run padded to a multiple of BLOCK_M; the
-                      expert of every BLOCK_M-row block; each pair's row
+                      expert of every BLOCK_M-row block; each pair's row.
+                      The shared expert's layout (all tokens, one expert) is
+                      built once per token count; MINIMAX_MOE_ALIGN=triton
+                      computes the routed one in a single Triton program at
+                      decode sizes (kernels/moe_align_triton.py)
     gate_up + act     grouped GEMM over the sorted rows (tokens gathered by
                       index, no permuted copy of x), gate and up tiles of the
                       fused [2n, H] weight side by side, SwiGLU-OAI (or SiLU)
@@ -58,7 +62,7 @@ except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 __all__ = ["HAVE_TRITON", "Alignment", "align_by_expert", "grouped_gated_mlp", "TritonMoEWeights", "supported",
-           "tile_config"]
+           "single_expert_alignment", "tile_config"]
 
 
 def _interpreting() -> bool:
@@ -126,6 +130,54 @@ def align_by_expert(ids: torch.Tensor, expert_offset: int, n_local: int, block_m
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+_ALIGN_MODES = ("torch", "triton")
+_SINGLE: dict = {}
+
+
+def _align(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int) -> Alignment:
+    """align_by_expert, or the same layout from one Triton program at decode sizes.
+
+    MINIMAX_MOE_ALIGN=triton opts in to kernels/moe_align_triton.py (equal
+    output, one launch instead of ~40; checked under the interpreter, not yet
+    measured on the H200, hence not the default); torch is the default."""
+    mode = os.environ.get("MINIMAX_MOE_ALIGN", "torch")
+    if mode not in _ALIGN_MODES:
+        raise ValueError(f"MINIMAX_MOE_ALIGN={mode!r}: expected one of {_ALIGN_MODES}")
+    if mode == "triton" and (ids.is_cuda or _interpreting()):
+        from .moe_align_triton import align_by_expert_triton, align_fits
+
+        if align_fits(ids.numel()):
+            return Alignment(*align_by_expert_triton(ids, expert_offset, n_local, block_m), block_m)
+    return align_by_expert(ids, expert_offset, n_local, block_m)
+
+
+def single_expert_alignment(tokens: int, block_m: int, device: torch.device) -> Alignment:
+    """The layout when every token goes to one expert with weight 1 (the shared expert):
+    rows in token order, so it depends on the token count only and is built once.
+
+    Equal to align_by_expert(zeros(tokens, 1), 0, 1, block_m) without its ~40 launches
+    per call. Not cached while a CUDA graph is being captured (a tensor made during
+    capture holds data only in replays)."""
+    key = (tokens, block_m, device.type, device.index)
+    al = _SINGLE.get(key)
+    if al is None:
+        max_rows = triton_cdiv(tokens + block_m - 1, block_m) * block_m
+        rows = torch.arange(max_rows, dtype=torch.int32, device=device)
+        al = Alignment(
+            sorted_pair=torch.where(rows < tokens, rows, torch.full_like(rows, -1)),
+            block_expert=torch.where(torch.arange(max_rows // block_m, device=device) * block_m < tokens,
+                                     0, 1).to(torch.int32),
+            pair_row=rows[:tokens].clone(),
+            block_m=block_m,
+        )
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            if len(_SINGLE) > 256:
+                _SINGLE.clear()
+            _SINGLE[key] = al
+    return al
 
 
 # ------------------------------------------------------------ pointer tables
@@ -355,8 +407,12 @@ _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: list, w2: list,
                       w13_scale: Optional[list], w2_scale: Optional[list], expert_offset: int, kind: str,
                       alpha: float, limit: float, beta: float, num_experts: int,
-                      config: Optional[dict] = None) -> torch.Tensor:
-    """sum over the pairs routed to these experts of weight * expert(x): float32 [T, H]."""
+                      config: Optional[dict] = None, single_expert: bool = False) -> torch.Tensor:
+    """sum over the pairs routed to these experts of weight * expert(x): float32 [T, H].
+
+    single_expert: the caller's promise that there is one expert and every token
+    goes to it (ids all 0, k = 1: the shared expert), so the layout is the cached
+    single_expert_alignment instead of a sort per call."""
     t, hidden = x.shape
     k = ids.shape[1]
     n_local = len(w13)
@@ -371,7 +427,12 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     interp = _interpreting()
     ieee = x.dtype == torch.float32 and not interp  # float32 in, float32 math (Triton's default is TF32)
     upcast = interp and not fp8  # the interpreter's bf16 tl.dot is wrong; its fp8 dot is right
-    al = align_by_expert(ids, expert_offset, n_local, bm)
+    if single_expert:
+        if n_local != 1 or k != 1 or expert_offset != 0:
+            raise ValueError("grouped_gated_mlp: single_expert needs one expert, k = 1 and offset 0")
+        al = single_expert_alignment(t, bm, x.device)
+    else:
+        al = _align(ids, expert_offset, n_local, bm)
     num_m = al.max_rows // bm
     dev = x.device
     if fp8:
@@ -437,4 +498,4 @@ class TritonMoEWeights(MoEWeights):
         ids = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
         ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
         return grouped_gated_mlp(x, ids, ones, sh.w13, sh.w2, sh.w13_scale, sh.w2_scale, 0, self.activation,
-                                 self.alpha, self.limit, self.beta, 1).to(x.dtype)
+                                 self.alpha, self.limit, self.beta, 1, single_expert=True).to(x.dtype)

@@ -71,6 +71,43 @@ def test_align_by_expert(offset, n_local, block_m):
     assert (al.block_expert[len(used):] >= n_local).all()
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 16, 17, 37, 200])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_single_expert_alignment_equals_the_sort(tokens, block_m):
+    from minimax_backend.kernels.moe_triton import align_by_expert, single_expert_alignment
+
+    want = align_by_expert(torch.zeros(tokens, 1, dtype=torch.int64), 0, 1, block_m)
+    got = single_expert_alignment(tokens, block_m, torch.device("cpu"))
+    assert torch.equal(got.sorted_pair, want.sorted_pair)
+    assert torch.equal(got.block_expert, want.block_expert)
+    assert torch.equal(got.pair_row, want.pair_row)
+    assert single_expert_alignment(tokens, block_m, torch.device("cpu")) is got  # built once
+
+
+def test_align_mode_is_checked(monkeypatch):
+    from minimax_backend.kernels.moe_triton import _align
+
+    monkeypatch.setenv("MINIMAX_MOE_ALIGN", "cub")
+    with pytest.raises(ValueError, match="MINIMAX_MOE_ALIGN='cub'"):
+        _align(torch.zeros(3, 2, dtype=torch.int64), 0, 4, 16)
+
+
+# (tokens, k, experts, offset, local experts, BLOCK_M): decode sizes at M3 width, EP halves,
+# several chunks of 64 pairs, a BLOCK_M larger than the runs, tiny blocks
+ALIGN_CASES = [(1, 4, 128, 0, 128, 16), (23, 2, 8, 4, 4, 16), (64, 4, 128, 64, 64, 16),
+               (200, 4, 16, 0, 16, 64), (7, 2, 8, 2, 2, 4), (5, 4, 128, 0, 128, 16), (256, 4, 128, 0, 128, 16)]
+
+
+def _align_ids(tokens, k, experts, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    if tokens >= 5:
+        ids[2] = -1  # a padding row of the sequence-parallel shard: no expert
+    if tokens >= 23:
+        ids[5:15, 0] = ids[4, 0]  # a crowded expert (several blocks)
+    return ids
+
+
 # ------------------------------------------------------------ interpreter
 @pytest.fixture(scope="module")
 def interp():
@@ -165,6 +202,32 @@ def test_idle_and_crowded_experts(interp):
     assert _err(got, K.local_experts_reference(x, ids, tw, w), False) <= 1e-5
 
 
+@pytest.mark.parametrize("case", ALIGN_CASES)
+def test_triton_alignment_equals_the_sort(interp, case):
+    from minimax_backend.kernels.moe_align_triton import align_by_expert_triton
+
+    tokens, k, experts, offset, n_local, bm = case
+    ids = _align_ids(tokens, k, experts, seed=tokens)
+    want = interp.align_by_expert(ids, offset, n_local, bm)
+    sorted_pair, block_expert, pair_row = align_by_expert_triton(ids, offset, n_local, bm)
+    assert torch.equal(sorted_pair, want.sorted_pair)
+    assert torch.equal(block_expert, want.block_expert)
+    assert torch.equal(pair_row, want.pair_row)
+
+
+def test_triton_alignment_refuses_too_many_pairs(interp):
+    from minimax_backend.kernels.moe_align_triton import MAX_PAIRS, align_by_expert_triton
+
+    with pytest.raises(ValueError, match="pairs"):
+        align_by_expert_triton(torch.zeros(MAX_PAIRS + 1, 1, dtype=torch.int64), 0, 8, 16)
+
+
+@pytest.mark.parametrize("case, tokens", [("m3_fp8", 5), ("m3_bf16", 9)])
+def test_gpu_path_with_the_triton_alignment_equals_eager(interp, case, tokens, monkeypatch):
+    monkeypatch.setenv("MINIMAX_MOE_ALIGN", "triton")
+    test_gpu_path_of_the_ops_equals_eager(interp, case, tokens)
+
+
 def _cuda(args):
     return [a.cuda() if isinstance(a, torch.Tensor) else [t.cuda() for t in a] if isinstance(a, list) else a
             for a in args]
@@ -211,3 +274,31 @@ def test_gpu_op_captures_into_a_cuda_graph(case):
     torch.cuda.synchronize()
     ref = K.moe_reference(x.cpu(), *K.block_op_args(_block(make, dtype, fp8)))
     assert _err(out.cpu(), ref, fp8) <= (2 * TOL[tol] if not fp8 else TOL[tol])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ALIGN_CASES)
+def test_triton_alignment_on_gpu_equals_the_sort(case):
+    from minimax_backend.kernels.moe_align_triton import align_by_expert_triton
+    from minimax_backend.kernels.moe_triton import align_by_expert
+
+    tokens, k, experts, offset, n_local, bm = case
+    ids = _align_ids(tokens, k, experts, seed=tokens).cuda()
+    want = align_by_expert(ids, offset, n_local, bm)
+    got = align_by_expert_triton(ids, offset, n_local, bm)
+    for a, b in zip(got, (want.sorted_pair, want.block_expert, want.pair_row)):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["m3_bf16", "m3_fp8"])
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_gpu_kernels_with_the_triton_alignment(case, tokens, monkeypatch):
+    monkeypatch.setenv("MINIMAX_MOE_ALIGN", "triton")
+    test_gpu_kernels_against_cpu_reference(case, tokens)
+
+
+@pytest.mark.gpu
+def test_gpu_op_with_the_triton_alignment_captures(monkeypatch):
+    monkeypatch.setenv("MINIMAX_MOE_ALIGN", "triton")
+    test_gpu_op_captures_into_a_cuda_graph("m3_fp8")
