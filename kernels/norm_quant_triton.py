@@ -105,7 +105,7 @@ if HAVE_TRITON:
         q_ptr, s_ptr, y_ptr, r_ptr,
         M, K_f, n_groups,
         stride_x, stride_res, stride_q, stride_s, stride_y, stride_r,
-        eps,
+        eps, programs,
         G: tl.constexpr,
         NG: tl.constexpr,
         ROWS: tl.constexpr,
@@ -114,6 +114,7 @@ if HAVE_TRITON:
         WANT_Y: tl.constexpr,
         ROUND_BF16: tl.constexpr,
         NORM: tl.constexpr,
+        ITERS: tl.constexpr,
     ):
         # NORM=False: quantization only (minimax::quantize_fp8 of x): y = x.
         pid = tl.program_id(0)
@@ -124,50 +125,53 @@ if HAVE_TRITON:
             w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
             if GEMMA:
                 w1 = 1.0 + w
-        for i in tl.static_range(ROWS):
-            row = pid * ROWS + i
-            # (the row test is broadcast to the tile explicitly: the interpreter rejects a scalar & tile mask)
-            mask = cmask & ((col * 0 + row) < M)
-            row64 = row.to(tl.int64)
-            h = tl.load(x_ptr + row64 * stride_x + col, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                h = h + tl.load(res_ptr + row64 * stride_res + col, mask=mask, other=0.0).to(tl.float32)
-                if ROUND_BF16:
-                    h = _round_to_bf16(h)
-                tl.store(r_ptr + row64 * stride_r + col, h.to(r_ptr.dtype.element_ty), mask=mask)
-            y = h
-            if NORM:
-                ss = tl.sum(tl.sum(h * h, axis=1), axis=0)
-                # IEEE division as torch's mean; rsqrt as torch computes it on the CPU: an
-                # IEEE sqrt, then an IEEE division (measured equal on 2**20 values), not the
-                # GPU's approximate rsqrt. Once per row: free.
-                var = tl.math.div_rn(ss, K_f) + eps
-                rstd = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.math.sqrt_rn(var))
-                normed = h * rstd
-                if GEMMA:
-                    y = normed * w1
+        # ITERS > 1: a persistent grid of `programs` programs, each striding over the rows
+        # (reuses the norm weight it loaded; no tail of a last partial wave)
+        for it in range(ITERS):
+            for i in tl.static_range(ROWS):
+                row = (it * programs + pid) * ROWS + i
+                # (the row test is broadcast to the tile explicitly: the interpreter rejects a scalar & tile mask)
+                mask = cmask & ((col * 0 + row) < M)
+                row64 = row.to(tl.int64)
+                h = tl.load(x_ptr + row64 * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:
+                    h = h + tl.load(res_ptr + row64 * stride_res + col, mask=mask, other=0.0).to(tl.float32)
                     if ROUND_BF16:
-                        y = _round_to_bf16(y)
-                else:
-                    if ROUND_BF16:
-                        normed = _round_to_bf16(normed)
-                    y = normed * w
-                    if ROUND_BF16:
-                        y = _round_to_bf16(y)
-            if WANT_Y:
-                tl.store(y_ptr + row64 * stride_y + col, y.to(y_ptr.dtype.element_ty), mask=mask)
-            # One power-of-two scale per group: 2 ** ceil(log2(amax / 448)) from the exponent bits.
-            amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-30)  # [NG]
-            v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-            vb = v.to(tl.int32, bitcast=True)
-            e = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the scale
-            scale = (e << 23).to(tl.float32, bitcast=True)
-            inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
-            q = y * inv[:, None]
-            q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-            tl.store(q_ptr + row64 * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=mask)
-            g1 = tl.arange(0, NG)
-            tl.store(s_ptr + row64 * stride_s + g1, scale, mask=(g1 < n_groups) & ((g1 * 0 + row) < M))
+                        h = _round_to_bf16(h)
+                    tl.store(r_ptr + row64 * stride_r + col, h.to(r_ptr.dtype.element_ty), mask=mask)
+                y = h
+                if NORM:
+                    ss = tl.sum(tl.sum(h * h, axis=1), axis=0)
+                    # IEEE division as torch's mean; rsqrt as torch computes it on the CPU: an
+                    # IEEE sqrt, then an IEEE division (measured equal on 2**20 values), not the
+                    # GPU's approximate rsqrt. Once per row: free.
+                    var = tl.math.div_rn(ss, K_f) + eps
+                    rstd = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.math.sqrt_rn(var))
+                    normed = h * rstd
+                    if GEMMA:
+                        y = normed * w1
+                        if ROUND_BF16:
+                            y = _round_to_bf16(y)
+                    else:
+                        if ROUND_BF16:
+                            normed = _round_to_bf16(normed)
+                        y = normed * w
+                        if ROUND_BF16:
+                            y = _round_to_bf16(y)
+                if WANT_Y:
+                    tl.store(y_ptr + row64 * stride_y + col, y.to(y_ptr.dtype.element_ty), mask=mask)
+                # One power-of-two scale per group: 2 ** ceil(log2(amax / 448)) from the exponent bits.
+                amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-30)  # [NG]
+                v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+                vb = v.to(tl.int32, bitcast=True)
+                e = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the scale
+                scale = (e << 23).to(tl.float32, bitcast=True)
+                inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
+                q = y * inv[:, None]
+                q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+                tl.store(q_ptr + row64 * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=mask)
+                g1 = tl.arange(0, NG)
+                tl.store(s_ptr + row64 * stride_s + g1, scale, mask=(g1 < n_groups) & ((g1 * 0 + row) < M))
 
 
 def rms_norm_quant_fp8_triton(
@@ -180,8 +184,12 @@ def rms_norm_quant_fp8_triton(
     want_bf16_output: bool = False,
     num_warps: int | None = None,
     rows_per_program: int | None = None,
+    programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    """Launch the kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+
+    programs: a persistent grid of at most this many programs striding over the
+    rows (one compile per row count); default one program per rows_per_program rows."""
     if not HAVE_TRITON:
         raise RuntimeError("rms_norm_quant_fp8_triton needs triton (pip install triton)")
     shape, k = x.shape, x.shape[-1]
@@ -202,15 +210,17 @@ def rms_norm_quant_fp8_triton(
     cfg = launch_config(k, group_size, m)
     rows = rows_per_program or cfg["ROWS"]
     if m > 0:
-        grid = (triton.cdiv(m, rows),)
+        blocks = triton.cdiv(m, rows)
+        grid = (min(programs, blocks),) if programs else (blocks,)
+        iters = triton.cdiv(blocks, grid[0])
         _rms_norm_quant_fp8_kernel[grid](
             x2, res2 if res2 is not None else x2, weight,
             q, s, y if want_bf16_output else q, r if residual is not None else q,
             m, float(k), k // group_size,
             x2.stride(0), res2.stride(0) if res2 is not None else 0, q.stride(0), s.stride(0),
             y.stride(0) if want_bf16_output else 0, r.stride(0) if residual is not None else 0,
-            float(eps),
-            G=group_size, NG=cfg["NG"], ROWS=rows,
+            float(eps), grid[0],
+            G=group_size, NG=cfg["NG"], ROWS=rows, ITERS=iters,
             HAS_RESIDUAL=residual is not None, GEMMA=bool(gemma), WANT_Y=bool(want_bf16_output),
             ROUND_BF16=x.dtype == torch.bfloat16, NORM=True,
             num_warps=num_warps or cfg["num_warps"],
@@ -246,8 +256,8 @@ def quantize_fp8_triton(x: torch.Tensor, group_size: int = 128, num_warps: int |
             x2, x2, x2, q, s, q, q,
             m, float(k), k // group_size,
             x2.stride(0), 0, q.stride(0), s.stride(0), 0, 0,
-            0.0,
-            G=group_size, NG=cfg["NG"], ROWS=cfg["ROWS"],
+            0.0, triton.cdiv(m, cfg["ROWS"]),
+            G=group_size, NG=cfg["NG"], ROWS=cfg["ROWS"], ITERS=1,
             HAS_RESIDUAL=False, GEMMA=False, WANT_Y=False, ROUND_BF16=False, NORM=False,
             num_warps=num_warps or cfg["num_warps"],
         )

@@ -170,6 +170,21 @@ def test_interpreter_general_inputs_within_one_rounding(nqt):
 
 
 @in_child
+@pytest.mark.parametrize("programs, rows", [(1, 1), (3, 1), (4, 2), (64, 1)])
+def test_persistent_grid_equals_one_program_per_row(nqt, programs, rows):
+    """programs < row blocks: each program strides over several (37 rows: uneven last pass)."""
+    gen = torch.Generator().manual_seed(programs)
+    x = _nice((37, 384), gen, torch.bfloat16)
+    res = _nice((37, 384), gen, torch.bfloat16)
+    w = (torch.randn(384, generator=gen) * 0.2).to(torch.bfloat16)
+    want = nqt.rms_norm_quant_fp8_triton(x, res, w, 1e-6, True, 128, True)
+    got = nqt.rms_norm_quant_fp8_triton(x, res, w, 1e-6, True, 128, True, rows_per_program=rows, programs=programs)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == FP8_DTYPE else a,
+                           b.view(torch.uint8) if b.dtype == FP8_DTYPE else b)
+
+
+@in_child
 def test_zero_rows_and_all_zero_groups(nqt):
     x = torch.zeros(3, 256, dtype=torch.bfloat16)
     x[1, :128] = 2.0

@@ -12,7 +12,7 @@ Three parts, each a table, all in one JSON:
    with the bytes each must move, and the fused kernel's share of the copy
    bandwidth measured on this card (a 1 GiB device-to-device copy). Target:
    >= 85% at M >= 4096. The fused kernel's num_warps and rows per program
-   are swept; `fused_ms` is the default launch, `fused_best_ms` the best of
+   are swept, and persistent grids of 2, 4 or 8 programs per SM; `fused_ms` is the default launch, `fused_best_ms` the best of
    the sweep. Parts 1 and 2 time CUDA-graph replays of 10 back-to-back calls
    (as the backend runs them; --no-graphs times single Python launches,
    which at these sizes mostly measures the host). Each M also
@@ -103,6 +103,10 @@ def _plain(x, res, w):
     return q, s, h
 
 
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 2
+
+
 def part_kernel(args, median_ms, bw) -> list[dict]:
     from minimax_backend.kernels.norm_quant import rms_norm_quant_fp8_reference
     from minimax_backend.kernels.norm_quant_triton import launch_config, rms_norm_quant_fp8_triton
@@ -120,9 +124,9 @@ def part_kernel(args, median_ms, bw) -> list[dict]:
         nbytes = m * HIDDEN * (2 + 2 + 2 + 1) + m * (HIDDEN // GROUP) * 4 + HIDDEN * 2
         row = {"M": m, "MB_moved": nbytes / 1e6}
 
-        def fused(nw=None, rows_per_program=None):
+        def fused(nw=None, rows_per_program=None, programs=None):
             return rms_norm_quant_fp8_triton(x, res, w, EPS, True, GROUP, False, num_warps=nw,
-                                             rows_per_program=rows_per_program)
+                                             rows_per_program=rows_per_program, programs=programs)
 
         out = fused()
         ref = rms_norm_quant_fp8_reference(x, res, w, EPS, True, GROUP, False)
@@ -133,12 +137,18 @@ def part_kernel(args, median_ms, bw) -> list[dict]:
         sweep = {}
         for nw in (2, 4, 8, 16):
             for rpp in (1, 2, 4):
-                sweep[(nw, rpp)] = median_ms(lambda: fused(nw, rpp), args.warmup, args.repeats)
+                sweep[(nw, rpp, None)] = median_ms(lambda: fused(nw, rpp), args.warmup, args.repeats)
+        for nw in (4, 8):  # persistent grids: a few programs per SM striding over the rows
+            for rpp in (1, 2):
+                for per_sm in (2, 4, 8):
+                    progs = per_sm * _sm_count()
+                    sweep[(nw, rpp, progs)] = median_ms(lambda: fused(nw, rpp, progs), args.warmup, args.repeats)
         best = min(sweep, key=sweep.get)
         cfg = launch_config(HIDDEN, GROUP, m)
         row["default_warps"], row["default_rows"] = cfg["num_warps"], cfg["ROWS"]
-        row["best_warps"], row["best_rows"] = best
+        row["best_warps"], row["best_rows"], row["best_programs"] = best
         row["fused_best_ms"] = sweep[best]
+        row["sweep_ms"] = {f"warps={k[0]} rows={k[1]} programs={k[2] or 'all'}": v for k, v in sweep.items()}
         row["eager_ms"] = median_ms(lambda: _eager(x, res, w), args.warmup, args.repeats)
         inductor(x, res, w)
         row["inductor_ms"] = median_ms(lambda: inductor(x, res, w), args.warmup, args.repeats)
@@ -292,7 +302,7 @@ def job(rank: int, world: int, args) -> None:
         if "kernel" in args.parts:
             rows = part_kernel(args, kernel_ms, bw)
             payload["kernel"] = rows
-            print_table(rows, ["M", "MB_moved", "fused_ms", "fused_best_ms", "best_warps", "best_rows", "eager_ms", "inductor_ms",
+            print_table(rows, ["M", "MB_moved", "fused_ms", "fused_best_ms", "best_warps", "best_rows", "best_programs", "eager_ms", "inductor_ms",
                                "fused_bw_frac", "inductor_bw_frac", "speedup_vs_eager", "speedup_vs_inductor",
                                "scales_equal", "fp8_equal_frac"],
                         title=f"residual add + Gemma RMSNorm + FP8 quant, hidden {HIDDEN}, G {GROUP}, "
