@@ -434,7 +434,10 @@ def _gpu_path(reference):
     the plain-torch experts (e.g. to compare on the GPU)."""
 
     def impl(x, *args):
-        if os.environ.get("MINIMAX_MOE_KERNEL", "triton") == "reference":
+        kernel = os.environ.get("MINIMAX_MOE_KERNEL", "triton")
+        if kernel not in ("triton", "reference"):
+            raise ValueError(f"MINIMAX_MOE_KERNEL={kernel!r}: expected 'triton' or 'reference'")
+        if kernel == "reference":
             return reference(x, *args)
         try:
             from . import moe_triton

@@ -391,7 +391,11 @@ def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
     """BLOCK_M / N / K and warps from the average rows per expert (a first guess; tune on the H200)."""
     env = os.environ.get("MINIMAX_MOE_TILES")  # e.g. "64,128,64,4,3": BM, BN, BK, warps, stages
     if env:
-        bm, bn, bk, warps, stages = (int(v) for v in env.split(","))
+        try:
+            bm, bn, bk, warps, stages = (int(v) for v in env.split(","))
+        except ValueError:
+            raise ValueError(f"MINIMAX_MOE_TILES={env!r}: expected five integers BM,BN,BK,warps,stages "
+                             "(e.g. 64,128,64,4,3)") from None
         return {"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages}
     avg = tokens * top_k / max(num_experts, 1)
     bm = 16 if avg <= 16 else 32 if avg <= 48 else 64 if avg <= 192 else 128

@@ -84,6 +84,18 @@ def test_single_expert_alignment_equals_the_sort(tokens, block_m):
     assert single_expert_alignment(tokens, block_m, torch.device("cpu")) is got  # built once
 
 
+def test_bad_kernel_switches_are_errors(monkeypatch):
+    from minimax_backend.kernels import moe as moe_ops
+    from minimax_backend.kernels.moe_triton import tile_config
+
+    monkeypatch.setenv("MINIMAX_MOE_TILES", "64,128")
+    with pytest.raises(ValueError, match="five integers"):
+        tile_config(8, 2, 8, False)
+    monkeypatch.setenv("MINIMAX_MOE_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="MINIMAX_MOE_KERNEL='cutlass'"):
+        moe_ops._gpu_path(moe_ops.moe_reference)(torch.zeros(1, 4))
+
+
 def test_align_mode_is_checked(monkeypatch):
     from minimax_backend.kernels.moe_triton import _align
 
