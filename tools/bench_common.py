@@ -51,6 +51,30 @@ def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, barrier
     return statistics.median(times)
 
 
+def graphed(fn: Callable[[], Any], calls: int = 1) -> Callable[[], Any]:
+    """`calls` back-to-back calls of fn captured in one CUDA graph; returns a replay
+    function that gives the last captured call's output.
+
+    Three warm-up calls run first on a side stream, so compiles, autotuning,
+    workspaces and the allocator's first allocations happen outside capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
 def graph_median_ms(fn: Callable[[], Any], calls: int = 10, warmup: int = 3, repeats: int = 10) -> float:
     """Median GPU time of one fn() in ms, from CUDA-graph replays of `calls` back-to-back calls.
 
@@ -60,19 +84,7 @@ def graph_median_ms(fn: Callable[[], Any], calls: int = 10, warmup: int = 3, rep
     they do in the backend's captured model. Without CUDA: median_ms."""
     if not torch.cuda.is_available():
         return median_ms(fn, warmup, repeats)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiles, autotuning and allocator warm-up outside capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    ms = median_ms(graph.replay, warmup, repeats)
-    del graph
-    return ms / calls
+    return median_ms(graphed(fn, calls), warmup, repeats) / calls
 
 
 def _seed_of(name: str, seed: int) -> int:

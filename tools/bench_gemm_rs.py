@@ -17,15 +17,15 @@ barrier; by default each call is captured in a CUDA graph and replayed (how
 the model runs: no CPU launch cost), `--eager` times plain calls. Prints one
 progress line per shape, the table, the smallest M at which ours beats
 mm_rs from there on for each K (the `gemm_rs_min_tokens` recommendation), and
-writes JSON with the hardware. Exits with os._exit after a final barrier:
-destroy_process_group() hung on the GPU box after symmetric memory was used.
+writes JSON with the hardware. The ranks leave through tools/launch.py (a
+barrier, then os._exit: destroy_process_group() hung on the GPU box after
+symmetric memory was used).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -206,11 +206,6 @@ def job(rank: int, world: int, args) -> None:
                                    "thresholds": thresholds, "recommended_min_tokens": recommended,
                                    "targets": targets, "seconds": time.time() - t0})
         print(f"done in {time.time() - t0:.0f}s", flush=True)
-    torch.cuda.synchronize()
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip destroy_process_group(): it hung after symmetric memory on the GPU box
 
 
 def main(argv=None) -> None:

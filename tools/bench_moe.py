@@ -77,25 +77,6 @@ def _timer(device: torch.device, warmup: int, repeats: int, barrier) -> Callable
     return cpu_ms
 
 
-def _graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """fn captured in a CUDA graph (warmed up on a side stream first); returns replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-
-    def replay():
-        graph.replay()
-        return out
-
-    return replay
-
-
 # ------------------------------------------------ torch grouped-GEMM experts
 def _rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row FP8 E4M3 quantization (what torch._scaled_grouped_mm takes): data, float32 scales."""
@@ -199,7 +180,7 @@ def _expert_bytes(args: tuple, fp8: bool) -> tuple[int, int]:
 
 def job(rank: int, world: int, args) -> None:
     from minimax_backend.kernels.moe import block_op_args, flops, mega_moe_reference, shard_rows
-    from minimax_backend.tools.bench_common import print_table, write_json
+    from minimax_backend.tools.bench_common import graphed, print_table, write_json
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     barrier = dist.barrier if world > 1 else None
@@ -245,9 +226,9 @@ def job(rank: int, world: int, args) -> None:
                     row["err_torch_gmm"] = ((torch_gmm().float() - ref.float()).abs().max() / scale).item()
                     row["torch_gmm_ms"] = timed(torch_gmm)
                 if device.type == "cuda" and args.cuda_graph:
-                    row["ours_graph_ms"] = timed(_graphed(ours))
+                    row["ours_graph_ms"] = timed(graphed(ours))
                     if torch_experts is not None:
-                        row["torch_gmm_graph_ms"] = timed(_graphed(torch_gmm))
+                        row["torch_gmm_graph_ms"] = timed(graphed(torch_gmm))
                 # decode floor: the local experts this batch touches (+ the shared slice), read once
                 ids, _ = blk_route(blk, x)
                 first = blk.first_expert

@@ -51,8 +51,7 @@ def _profile(fn, calls: int, device: torch.device) -> tuple[dict, float]:
 
 
 def profile_tokens(w_args, hidden: int, tokens: int, calls: int, top: int, device: torch.device) -> dict:
-    from minimax_backend.tools.bench_common import median_ms
-    from minimax_backend.tools.bench_moe import _graphed
+    from minimax_backend.tools.bench_common import graphed, median_ms
 
     x = torch.randn(tokens, hidden, device=device, generator=torch.Generator(device).manual_seed(tokens))
     x = x.to(torch.bfloat16)
@@ -62,7 +61,7 @@ def profile_tokens(w_args, hidden: int, tokens: int, calls: int, top: int, devic
         return torch.ops.minimax.mega_moe(x, *w_args, *sp)
 
     ours()
-    run = _graphed(ours) if device.type == "cuda" else ours
+    run = graphed(ours) if device.type == "cuda" else ours
     call_ms = median_ms(run, 3, 10)
     kernels, total_us = _profile(run, calls, device)
     rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])
