@@ -159,6 +159,14 @@ class MoEWeights:
         return gated_mlp(x, self.w13[i], self.w2[i], s13, s2, self.activation, self.alpha, self.limit, self.beta,
                          self.group)
 
+    def partial(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
+        """Routed experts (float32, cast once) + the shared expert, in x.dtype: the eager
+        block's sum on this rank (the GPU weights run both in one set of launches)."""
+        out = experts(x, ids, weights, self).to(x.dtype)
+        if self.shared:
+            out = out + self.shared_expert(x)
+        return out
+
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         return gated_mlp(x, self.shared_w13, self.shared_w2, self.shared_w13_scale, self.shared_w2_scale,
                          self.activation, self.alpha, self.limit, self.beta, self.group)
@@ -210,10 +218,7 @@ ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MoEWeights], tor
 
 def _partial(x, ids, weights, w: MoEWeights, experts: ExpertsFn) -> torch.Tensor:
     """This rank's partial sum in x.dtype: routed experts (fp32, cast once) + shared slice."""
-    out = experts(x, ids, weights, w).to(x.dtype)
-    if w.shared:
-        out = out + w.shared_expert(x)
-    return out
+    return w.partial(x, ids, weights, experts)
 
 
 def moe_reference(x: torch.Tensor, *args, experts: ExpertsFn = local_experts_reference,

@@ -48,19 +48,24 @@ def align_fits(pairs: int) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _chunk(ids_ptr, c0, lane, bins, expert_offset, PAIRS: tl.constexpr, N_LOCAL: tl.constexpr):
-        """Pairs c0 .. c0 + CHUNK: index, in range, local expert (N_LOCAL = not ours), one-hot [CHUNK, NB]."""
+    def _chunk(ids_ptr, c0, lane, bins, expert_offset, shared_id, PAIRS: tl.constexpr, N_LOCAL: tl.constexpr,
+               ROUTED: tl.constexpr):
+        """Pairs c0 .. c0 + CHUNK: index, in range, local expert (N_LOCAL = not ours), one-hot [CHUNK, NB].
+        Local experts 0 .. ROUTED - 1 are routed ids from expert_offset on; with a shared
+        expert (ROUTED = N_LOCAL - 1) the id shared_id is local expert ROUTED."""
         idx = c0 + lane
         ok = idx < PAIRS
-        e = tl.load(ids_ptr + idx, mask=ok, other=-1).to(tl.int64) - expert_offset
-        e = tl.where((e >= 0) & (e < N_LOCAL) & ok, e, N_LOCAL).to(tl.int32)
+        raw = tl.load(ids_ptr + idx, mask=ok, other=-1).to(tl.int64)
+        e = raw - expert_offset
+        e = tl.where((e >= 0) & (e < ROUTED) & ok, e, N_LOCAL)
+        e = tl.where((raw == shared_id) & ok, ROUTED, e).to(tl.int32)
         hit = ((e[:, None] == bins[None, :]) & ok[:, None]).to(tl.int32)
         return idx, ok, e, hit
 
     @triton.jit
     def _align_kernel(
-        ids_ptr, sorted_pair_ptr, block_expert_ptr, pair_row_ptr, expert_offset,
-        PAIRS: tl.constexpr, N_LOCAL: tl.constexpr, NB: tl.constexpr, BM: tl.constexpr,
+        ids_ptr, sorted_pair_ptr, block_expert_ptr, pair_row_ptr, expert_offset, shared_id,
+        PAIRS: tl.constexpr, N_LOCAL: tl.constexpr, ROUTED: tl.constexpr, NB: tl.constexpr, BM: tl.constexpr,
         MAX_ROWS: tl.constexpr, MAX_BLOCKS: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
     ):
         bins = tl.arange(0, NB)  # local experts 0..N_LOCAL-1; bin N_LOCAL = "not ours"
@@ -72,7 +77,7 @@ if HAVE_TRITON:
         # count
         counts = tl.zeros((NB,), dtype=tl.int32)
         for c0 in range(0, PAIRS, CHUNK):
-            idx, ok, e, hit = _chunk(ids_ptr, c0, lane, bins, expert_offset, PAIRS, N_LOCAL)
+            idx, ok, e, hit = _chunk(ids_ptr, c0, lane, bins, expert_offset, shared_id, PAIRS, N_LOCAL, ROUTED)
             counts += tl.sum(hit, axis=0)
         # scan
         mine = bins < N_LOCAL
@@ -83,7 +88,7 @@ if HAVE_TRITON:
         # place
         seen = tl.zeros((NB,), dtype=tl.int32)  # pairs of each expert in earlier chunks
         for c0 in range(0, PAIRS, CHUNK):
-            idx, ok, e, hit = _chunk(ids_ptr, c0, lane, bins, expert_offset, PAIRS, N_LOCAL)
+            idx, ok, e, hit = _chunk(ids_ptr, c0, lane, bins, expert_offset, shared_id, PAIRS, N_LOCAL, ROUTED)
             base = tl.sum(hit * (start + seen)[None, :], axis=1)
             earlier = (e[:, None] == e[None, :]) & (lane[None, :] < lane[:, None]) & ok[None, :]
             row = base + tl.sum(earlier.to(tl.int32), axis=1)
@@ -98,9 +103,14 @@ if HAVE_TRITON:
             tl.store(block_expert_ptr + b, tl.sum(ends.to(tl.int32), axis=1), mask=b < MAX_BLOCKS)
 
 
-def align_by_expert_triton(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int):
-    """(sorted_pair, block_expert, pair_row) as kernels/moe_triton.align_by_expert returns them."""
+def align_by_expert_triton(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int,
+                           shared_id: int = -2):
+    """(sorted_pair, block_expert, pair_row) as kernels/moe_triton.align_by_expert returns them
+    (shared_id >= 0: that id is one more local expert, n_local)."""
     pairs = ids.numel()
+    routed = n_local
+    if shared_id >= 0:
+        n_local += 1
     if not align_fits(pairs):
         raise ValueError(f"align_by_expert_triton: {pairs} pairs; one program handles 1..{MAX_PAIRS}")
     max_rows = -(-(pairs + n_local * (block_m - 1)) // block_m) * block_m
@@ -110,8 +120,8 @@ def align_by_expert_triton(ids: torch.Tensor, expert_offset: int, n_local: int, 
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     pair_row = torch.empty(pairs, dtype=torch.int32, device=dev)
     _align_kernel[(1,)](
-        ids.reshape(-1).contiguous(), sorted_pair, block_expert, pair_row, int(expert_offset),
-        PAIRS=pairs, N_LOCAL=n_local, NB=triton.next_power_of_2(n_local + 1), BM=block_m,
+        ids.reshape(-1).contiguous(), sorted_pair, block_expert, pair_row, int(expert_offset), int(shared_id),
+        PAIRS=pairs, N_LOCAL=n_local, ROUTED=routed, NB=triton.next_power_of_2(n_local + 1), BM=block_m,
         MAX_ROWS=max_rows, MAX_BLOCKS=max_blocks, CHUNK=_CHUNK, FILL=1024, num_warps=4,
     )
     return sorted_pair, block_expert, pair_row

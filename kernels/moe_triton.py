@@ -8,10 +8,10 @@ routed to this rank's experts are sorted by expert and three kernels run:
     align_by_expert   (torch ops, no host sync) pairs sorted by expert, each
                       expert's run padded to a multiple of BLOCK_M; the
                       expert of every BLOCK_M-row block; each pair's row.
-                      The shared expert's layout (all tokens, one expert) is
-                      built once per token count; MINIMAX_MOE_ALIGN=triton
-                      computes the routed one in a single Triton program at
-                      decode sizes (kernels/moe_align_triton.py)
+                      At decode sizes (up to 1024 pairs) the same layout
+                      comes from one Triton program instead
+                      (kernels/moe_align_triton.py; MINIMAX_MOE_ALIGN=torch
+                      keeps the sort)
     gate_up + act     grouped GEMM over the sorted rows (tokens gathered by
                       index, no permuted copy of x), gate and up tiles of the
                       fused [2n, H] weight side by side, SwiGLU-OAI (or SiLU)
@@ -22,6 +22,13 @@ routed to this rank's experts are sorted by expert and three kernels run:
     down              grouped GEMM of the activations with w2, the routing
                       weight applied in the epilogue
     combine           each token sums its k rows in float32
+
+The shared expert runs as one more expert in the same three launches (every
+token, weight 1, its own width: under TP it is a slice, narrower than a
+routed expert), and the combine adds it as eager does, after rounding the
+routed sum to the model dtype. MINIMAX_MOE_SHARED=separate runs it in its own
+launches instead (to compare). The grids stop at the blocks that can hold
+pairs (at most one per pair), not at every local expert's worst-case padding.
 
 Weights stay where the model keeps them (one tensor per expert): every kernel
 reads a small device table of their addresses, built once per set of weights
@@ -98,15 +105,23 @@ class Alignment:
         return self.sorted_pair.shape[0]
 
 
-def align_by_expert(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int) -> Alignment:
+def align_by_expert(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int,
+                    shared_id: int = -2) -> Alignment:
     """Sort the (token, slot) pairs of the local experts by expert, runs padded to block_m.
 
+    shared_id >= 0: pairs with that id go to one more local expert, n_local (the
+    shared expert run in the same launches); the layout then has n_local + 1.
     Device-side torch ops with static shapes (the worst case: every pair local,
     every run padded), so no host sync and CUDA-graph safe."""
     pairs = ids.numel()
     dev = ids.device
-    local = ids.reshape(-1).to(torch.int64) - expert_offset
+    flat = ids.reshape(-1).to(torch.int64)
+    local = flat - expert_offset
     is_local = (local >= 0) & (local < n_local)
+    if shared_id >= 0:
+        local = torch.where(flat == shared_id, n_local, local)
+        is_local = is_local | (flat == shared_id)
+        n_local += 1
     e = torch.where(is_local, local, torch.full_like(local, n_local))  # bucket n_local: not ours
     max_rows = triton_cdiv(pairs + n_local * (block_m - 1), block_m) * block_m
     counts = torch.zeros(n_local + 1, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))
@@ -136,21 +151,22 @@ _ALIGN_MODES = ("torch", "triton")
 _SINGLE: dict = {}
 
 
-def _align(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int) -> Alignment:
+def _align(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int, shared_id: int = -2) -> Alignment:
     """align_by_expert, or the same layout from one Triton program at decode sizes.
 
-    MINIMAX_MOE_ALIGN=triton opts in to kernels/moe_align_triton.py (equal
-    output, one launch instead of ~40; checked under the interpreter, not yet
-    measured on the H200, hence not the default); torch is the default."""
-    mode = os.environ.get("MINIMAX_MOE_ALIGN", "torch")
+    The default, triton, takes kernels/moe_align_triton.py up to its pair limit
+    (equal output, one launch instead of ~40: one H200, FP8, one MoE layer at
+    1 token 0.262 -> 0.191 ms, 2026-11-30); MINIMAX_MOE_ALIGN=torch keeps the
+    torch sort everywhere (to compare)."""
+    mode = os.environ.get("MINIMAX_MOE_ALIGN", "triton")
     if mode not in _ALIGN_MODES:
         raise ValueError(f"MINIMAX_MOE_ALIGN={mode!r}: expected one of {_ALIGN_MODES}")
     if mode == "triton" and (ids.is_cuda or _interpreting()):
         from .moe_align_triton import align_by_expert_triton, align_fits
 
         if align_fits(ids.numel()):
-            return Alignment(*align_by_expert_triton(ids, expert_offset, n_local, block_m), block_m)
-    return align_by_expert(ids, expert_offset, n_local, block_m)
+            return Alignment(*align_by_expert_triton(ids, expert_offset, n_local, block_m, shared_id), block_m)
+    return align_by_expert(ids, expert_offset, n_local, block_m, shared_id)
 
 
 def single_expert_alignment(tokens: int, block_m: int, device: torch.device) -> Alignment:
@@ -241,8 +257,8 @@ if HAVE_TRITON:
     # compile per model width either way.
     @triton.jit
     def _gate_up_act_kernel(
-        x_ptr, xs_ptr, w_table, ws_table, sorted_pair, block_expert, h_ptr, hs_ptr,
-        K: tl.constexpr, N_HALF, top_k, n_local, num_m_blocks, stride_x, stride_xs, stride_h, stride_hs,
+        x_ptr, xs_ptr, w_table, ws_table, width_table, sorted_pair, block_expert, h_ptr, hs_ptr,
+        K: tl.constexpr, top_k, n_local, num_m_blocks, stride_x, stride_xs, stride_h, stride_hs,
         alpha, limit, beta,
         ACT: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -251,7 +267,10 @@ if HAVE_TRITON:
         pid_m = pid % num_m_blocks  # m fastest: the blocks of one expert share its weight tile in L2
         pid_n = pid // num_m_blocks
         e = tl.load(block_expert + pid_m)
-        if e < n_local:
+        # N_HALF: this expert's intermediate width (the shared expert's slice can be narrower
+        # than a routed expert); tiles past it have nothing to do
+        N_HALF = tl.load(width_table + tl.minimum(e, n_local - 1))
+        if (e < n_local) & (pid_n * BN < N_HALF):
             rows = pid_m * BM + tl.arange(0, BM)
             pair = tl.load(sorted_pair + rows)
             valid = pair >= 0
@@ -325,12 +344,46 @@ if HAVE_TRITON:
                          mask=n_ok[None, :] & (out_rows[:, None] >= 0))
 
     @triton.jit
+    def _down_acc(h_ptr, hs_ptr, w, ws, rows, offs_n, n_ok, pid_n, stride_h, stride_hs,
+                  K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """One [BM, BN] tile of h @ w.T over K (a compile-time width: the weight's row stride,
+        so its loads stay 16-byte vectors; a runtime stride made them scalar, 20x slower)."""
+        offs_k = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        kb_total = tl.cdiv(K, 128)
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(h_ptr + rows[:, None] * stride_h + (k0 + offs_k)[None, :],
+                        mask=k_ok[None, :] & (rows[:, None] >= 0), other=0.0)
+            b = tl.load(w + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if FP8:
+                kb = k0 // 128
+                a_s = tl.load(hs_ptr + rows * stride_hs + kb)
+                b_s = tl.load(ws + ((pid_n * BN) // 128) * kb_total + kb)
+                acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (a_s[:, None] * b_s)
+            elif IEEE:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee", out_dtype=tl.float32)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
+        return acc
+
+    @triton.jit
     def _down_kernel(
         h_ptr, hs_ptr, w_table, ws_table, sorted_pair, block_expert, topk_w, y_ptr,
-        K: tl.constexpr, N, n_local, num_m_blocks, stride_h, stride_hs, stride_y,
+        N, n_local, num_m_blocks, stride_h, stride_hs, stride_y,
+        K: tl.constexpr, K_SHARED: tl.constexpr, SHARED: tl.constexpr,
         FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr, UPCAST: tl.constexpr,
         IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):
+        # K: a routed expert's intermediate width; SHARED: the last expert is the shared one,
+        # K_SHARED wide (a TP slice can be narrower). The widths are compile-time constants:
+        # they are the weights' row strides, and a runtime stride made the weight loads
+        # scalar (20x slower on the H200)
         pid = tl.program_id(0)
         pid_m = pid % num_m_blocks
         pid_n = pid // num_m_blocks
@@ -341,32 +394,24 @@ if HAVE_TRITON:
             valid = pair >= 0
             offs_n = pid_n * BN + tl.arange(0, BN)
             n_ok = offs_n < N
-            offs_k = tl.arange(0, BK)
             w = tl.load(w_table + e).to(tl.pointer_type(h_ptr.dtype.element_ty))
             if not INTERP:  # alignment hint, see _gate_up_act_kernel
                 w = tl.multiple_of(w, 16)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            kb_total = tl.cdiv(K, 128)
+            ws = w
             if FP8:
                 ws = tl.load(ws_table + e).to(tl.pointer_type(tl.float32))
-            for k0 in range(0, K, BK):
-                k_ok = (k0 + offs_k) < K
-                a = tl.load(h_ptr + rows[:, None] * stride_h + (k0 + offs_k)[None, :],
-                            mask=k_ok[None, :] & (rows[:, None] >= 0), other=0.0)
-                b = tl.load(w + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :],
-                            mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                if FP8:
-                    kb = k0 // 128
-                    a_s = tl.load(hs_ptr + rows * stride_hs + kb)
-                    b_s = tl.load(ws + ((pid_n * BN) // 128) * kb_total + kb)
-                    acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (a_s[:, None] * b_s)
-                elif IEEE:
-                    acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee", out_dtype=tl.float32)
+            # SHARED and K_SHARED != K: two copies of the loop, each with its own pipeline
+            # buffers (the host caps the stages to fit both in shared memory); one width: one loop
+            if SHARED and K_SHARED != K:  # (a compile-time test)
+                if e == n_local - 1:
+                    acc = _down_acc(h_ptr, hs_ptr, w, ws, rows, offs_n, n_ok, pid_n, stride_h, stride_hs,
+                                    K_SHARED, FP8, UPCAST, IEEE, BM, BN, BK)
                 else:
-                    acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
+                    acc = _down_acc(h_ptr, hs_ptr, w, ws, rows, offs_n, n_ok, pid_n, stride_h, stride_hs,
+                                    K, FP8, UPCAST, IEEE, BM, BN, BK)
+            else:
+                acc = _down_acc(h_ptr, hs_ptr, w, ws, rows, offs_n, n_ok, pid_n, stride_h, stride_hs,
+                                K, FP8, UPCAST, IEEE, BM, BN, BK)
             # expert output in the model dtype (as eager), times the routing weight in float32
             wt = tl.load(topk_w + tl.where(valid, pair, 0), mask=valid, other=0.0)
             y = _round_out(acc, OUT_KIND, INTERP) * wt[:, None]
@@ -375,58 +420,140 @@ if HAVE_TRITON:
                      mask=n_ok[None, :] & valid[:, None])
 
     @triton.jit
-    def _combine_kernel(y_ptr, pair_row, out_ptr, N, top_k: tl.constexpr, stride_y, stride_out, BN: tl.constexpr):
+    def _combine_kernel(y_ptr, pair_row, out_ptr, N, top_k: tl.constexpr, stride_y, stride_out,
+                        SHARED: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr, BN: tl.constexpr):
+        # SHARED: slot top_k is the shared expert. The routed sum (float32) is rounded to the
+        # model dtype first, then the shared expert's row added and rounded: eager's
+        # `routed.to(x.dtype) + shared(x)`. Otherwise the float32 routed sum is written.
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BN + tl.arange(0, BN)
         ok = offs < N
+        slots: tl.constexpr = top_k + 1 if SHARED else top_k
         acc = tl.zeros((BN,), dtype=tl.float32)
         for j in range(top_k):
-            r = tl.load(pair_row + t * top_k + j).to(tl.int64)
+            r = tl.load(pair_row + t * slots + j).to(tl.int64)
             acc += tl.load(y_ptr + r * stride_y + offs, mask=ok & ((offs * 0 + r) >= 0), other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * stride_out + offs, acc, mask=ok)
+        if SHARED:
+            r = tl.load(pair_row + t * slots + top_k).to(tl.int64)
+            acc = _round_out(acc, OUT_KIND, INTERP) + tl.load(y_ptr + r * stride_y + offs, mask=ok).to(tl.float32)
+            acc = _round_out(acc, OUT_KIND, INTERP)
+        tl.store(out_ptr + t * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------- launching
 def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool = False) -> dict:
-    """BLOCK_M / N / K and warps from the average rows per expert (a first guess; tune on the H200)."""
-    env = os.environ.get("MINIMAX_MOE_TILES")  # e.g. "64,128,64,4,3": BM, BN, BK, warps, stages
+    """BLOCK_M / N / K, warps, stages and the down kernel's BLOCK_N from the average rows per
+    expert (a first guess, tuned where the H200 measured it)."""
+    env = os.environ.get("MINIMAX_MOE_TILES")  # e.g. "64,128,64,4,3": BM, BN, BK, warps, stages[, BN_DOWN]
     if env:
         try:
-            bm, bn, bk, warps, stages = (int(v) for v in env.split(","))
+            vals = [int(v) for v in env.split(",")]
+            if len(vals) not in (5, 6):
+                raise ValueError
         except ValueError:
-            raise ValueError(f"MINIMAX_MOE_TILES={env!r}: expected five integers BM,BN,BK,warps,stages "
-                             "(e.g. 64,128,64,4,3)") from None
-        return {"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages}
+            raise ValueError(f"MINIMAX_MOE_TILES={env!r}: expected five or six integers "
+                             "BM,BN,BK,warps,stages[,BN_DOWN] (e.g. 64,128,64,4,3)") from None
+        bm, bn, bk, warps, stages = vals[:5]
+        return {"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages,
+                "BN_DOWN": vals[5] if len(vals) == 6 else bn}
     avg = tokens * top_k / max(num_experts, 1)
     bm = 16 if avg <= 16 else 32 if avg <= 48 else 64 if avg <= 192 else 128
     if float32:  # 4-byte tiles: halve K and the pipeline depth to fit the 227 KB of shared memory
-        return {"BM": bm, "BN": 128, "BK": 32, "num_warps": 4 if bm <= 64 else 8, "num_stages": 2}
+        return {"BM": bm, "BN": 128, "BK": 32, "num_warps": 4 if bm <= 64 else 8, "num_stages": 2, "BN_DOWN": 128}
     return {"BM": bm, "BN": 128, "BK": 128 if fp8 else 64, "num_warps": 4 if bm <= 64 else 8,
-            "num_stages": 3 if bm <= 64 else 4}
+            "num_stages": 3 if bm <= 64 else 4, "BN_DOWN": 128}
 
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_WIDTHS: dict = {}
+_SHARED_COLUMNS: dict = {}
+
+
+def _width_table(widths: tuple, device: torch.device) -> torch.Tensor:
+    """int32 device tensor of the experts' intermediate widths (cached: graph capture finds it ready)."""
+    key = (widths, device.type, device.index)
+    tab = _WIDTHS.get(key)
+    if tab is None:
+        tab = torch.tensor(widths, dtype=torch.int32, device=device)
+        if len(_WIDTHS) > 256:
+            _WIDTHS.clear()
+        _WIDTHS[key] = tab
+    return tab
+
+
+def _shared_column(tokens: int, expert: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared expert as one more routing slot: (ids [T, 1] = expert, weights [T, 1] = 1).
+
+    Cached per token count like single_expert_alignment (not while a graph is captured)."""
+    key = (tokens, expert, device.type, device.index)
+    col = _SHARED_COLUMNS.get(key)
+    if col is None:
+        col = (torch.full((tokens, 1), expert, dtype=torch.int64, device=device),
+               torch.ones(tokens, 1, dtype=torch.float32, device=device))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(_SHARED_COLUMNS) > 256:
+                _SHARED_COLUMNS.clear()
+            _SHARED_COLUMNS[key] = col
+    return col
+
+
+def used_blocks(al: Alignment, pairs: int) -> int:
+    """BLOCK_M-row blocks that can hold pairs: every expert's run starts at row 0 onward and
+    a non-empty block holds at least one pair, so at most `pairs` blocks are in use. The
+    grids stop there instead of at the worst-case padding of every local expert (at one
+    token and 128 experts: 5 blocks instead of 121, the rest were programs that exit)."""
+    return min(al.max_rows // al.block_m, pairs)
 
 
 def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: list, w2: list,
                       w13_scale: Optional[list], w2_scale: Optional[list], expert_offset: int, kind: str,
                       alpha: float, limit: float, beta: float, num_experts: int,
-                      config: Optional[dict] = None, single_expert: bool = False) -> torch.Tensor:
+                      config: Optional[dict] = None, single_expert: bool = False,
+                      shared: Optional[tuple] = None) -> torch.Tensor:
     """sum over the pairs routed to these experts of weight * expert(x): float32 [T, H].
 
     single_expert: the caller's promise that there is one expert and every token
     goes to it (ids all 0, k = 1: the shared expert), so the layout is the cached
-    single_expert_alignment instead of a sort per call."""
+    single_expert_alignment instead of a sort per call.
+
+    shared = (w13, w2, w13_scale, w2_scale) of the shared expert (scales None for
+    BF16): it runs as one more expert in the same launches (every token, weight 1,
+    its own width), and the result is eager's `routed.to(x.dtype) + shared(x)`,
+    [T, H] in x.dtype. At decode sizes that halves the launches and lets the
+    shared expert's tiles share the GPU with the routed ones instead of running
+    after them on a few SMs."""
     t, hidden = x.shape
-    k = ids.shape[1]
     n_local = len(w13)
     n = w2[0].shape[1]
     fp8 = bool(w13_scale)
-    cfg = config or tile_config(t, k, num_experts, fp8, float32=x.dtype == torch.float32)
+    widths = (n,) * n_local
+    if shared is not None:
+        if single_expert:
+            raise ValueError("grouped_gated_mlp: single_expert and shared exclude each other")
+        sh_w13, sh_w2, sh_w13_s, sh_w2_s = shared
+        if (sh_w13_s is not None) != fp8:
+            raise ValueError("grouped_gated_mlp: the shared expert and the routed ones differ in precision")
+        # its id is num_experts, past every routed id (offset + n_local would be the next
+        # rank's first expert); the alignment maps it to local expert n_local
+        shared_id = num_experts
+        sid, sw = _shared_column(t, shared_id, x.device)
+        ids = torch.cat([ids, sid], dim=1)
+        weights = torch.cat([weights.to(torch.float32), sw], dim=1)
+        w13, w2 = [*w13, sh_w13], [*w2, sh_w2]
+        if fp8:
+            w13_scale, w2_scale = [*w13_scale, sh_w13_s], [*w2_scale, sh_w2_s]
+        widths = widths + (sh_w2.shape[1],)
+    k = ids.shape[1]
+    n_experts = len(w13)
+    n_max = max(widths)
+    cfg = config or tile_config(t, k - (shared is not None), num_experts, fp8, float32=x.dtype == torch.float32)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    bn_down = cfg.get("BN_DOWN", bn)
     launch = {kk: cfg[kk] for kk in ("num_warps", "num_stages") if kk in cfg}
     if fp8 and (bn != 128 or bk != 128):
         raise ValueError("FP8 grouped GEMMs need BN = BK = 128 (the quantization group)")
+    if fp8 and 128 % bn_down:
+        raise ValueError("FP8 grouped GEMMs need a down BLOCK_N that divides 128 (the weight scale block)")
     out_dt = x.dtype
     interp = _interpreting()
     ieee = x.dtype == torch.float32 and not interp  # float32 in, float32 math (Triton's default is TF32)
@@ -436,9 +563,11 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             raise ValueError("grouped_gated_mlp: single_expert needs one expert, k = 1 and offset 0")
         al = single_expert_alignment(t, bm, x.device)
     else:
-        al = _align(ids, expert_offset, n_local, bm)
-    num_m = al.max_rows // bm
+        al = _align(ids, expert_offset, n_local, bm, shared_id if shared is not None else -2)
+    num_m = used_blocks(al, ids.numel())
+    rows = num_m * bm
     dev = x.device
+    width_t = _width_table(widths, dev)
     if fp8:
         from .fp8 import quantize_fp8_reference
         from .norm_quant_triton import quantize_fp8_triton
@@ -447,33 +576,42 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         # instead of the reference's ~10 elementwise kernels: at decode sizes launches dominate
         on_gpu = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
         xq, xs = quantize_fp8_triton(x, 128) if on_gpu else quantize_fp8_reference(x, 128)
-        h = torch.empty(al.max_rows, n, dtype=FP8_DTYPE, device=dev)
-        hs = torch.empty(al.max_rows, n // 128, dtype=torch.float32, device=dev)
+        h = torch.empty(rows, n_max, dtype=FP8_DTYPE, device=dev)
+        hs = torch.empty(rows, n_max // 128, dtype=torch.float32, device=dev)
         w13_t, ws13_t = _table(w13), _table(w13_scale)
         w2_t, ws2_t = _table(w2), _table(w2_scale)
     else:
         xq = x if x.stride(1) == 1 else x.contiguous()  # rows may be strided (a view of a packed gather)
         xs = x.new_empty(1, 1, dtype=torch.float32)
-        h = torch.empty(al.max_rows, n, dtype=out_dt, device=dev)
+        h = torch.empty(rows, n_max, dtype=out_dt, device=dev)
         hs = h.new_empty(1, 1, dtype=torch.float32)
         w13_t = ws13_t = _table(w13)
         w2_t = ws2_t = _table(w2)
-    _gate_up_act_kernel[(num_m * triton.cdiv(n, bn),)](
-        xq, xs, w13_t, ws13_t, al.sorted_pair, al.block_expert, h, hs,
-        hidden, n, k, n_local, num_m, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
+    _gate_up_act_kernel[(num_m * triton.cdiv(n_max, bn),)](
+        xq, xs, w13_t, ws13_t, width_t, al.sorted_pair, al.block_expert, h, hs,
+        hidden, k, n_experts, num_m, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
         float(alpha), float(limit), float(beta),
         ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch,
     )
-    y = torch.empty(al.max_rows, hidden, dtype=out_dt, device=dev)
+    y = torch.empty(rows, hidden, dtype=out_dt, device=dev)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
-    _down_kernel[(num_m * triton.cdiv(hidden, bn),)](
+    down_launch = dict(launch)
+    if shared is not None and widths[-1] != n and "num_stages" in down_launch:
+        # two copies of the K loop (see _down_kernel): both pipelines in the 227 KB of shared memory
+        per_stage = (bm * bk + bn_down * bk) * (1 if fp8 else x.element_size())
+        down_launch["num_stages"] = max(2, min(down_launch["num_stages"], (220 * 1024) // (2 * per_stage)))
+    _down_kernel[(num_m * triton.cdiv(hidden, bn_down),)](
         h, hs, w2_t, ws2_t, al.sorted_pair, al.block_expert, tw, y,
-        n, hidden, n_local, num_m, h.stride(0), hs.stride(0), y.stride(0),
-        FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch,
+        hidden, n_experts, num_m, h.stride(0), hs.stride(0), y.stride(0),
+        K=n, K_SHARED=widths[-1] if shared is not None else 0, SHARED=shared is not None,
+        FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn_down, BK=bk,
+        **down_launch,
     )
-    out = torch.empty(t, hidden, dtype=torch.float32, device=dev)
+    out = torch.empty(t, hidden, dtype=out_dt if shared is not None else torch.float32, device=dev)
     cb = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)
-    _combine_kernel[(t, triton.cdiv(hidden, cb))](y, al.pair_row, out, hidden, k, y.stride(0), out.stride(0), BN=cb)
+    _combine_kernel[(t, triton.cdiv(hidden, cb))](
+        y, al.pair_row, out, hidden, k - (shared is not None), y.stride(0), out.stride(0),
+        SHARED=shared is not None, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, BN=cb)
     return out
 
 
@@ -488,14 +626,33 @@ def triton_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w:
 
 
 class TritonMoEWeights(MoEWeights):
-    """MoEWeights whose shared expert runs as a one-expert grouped GEMM (fused activation)."""
+    """MoEWeights whose experts run as grouped GEMMs (fused activation), the shared
+    expert in the same launches as the routed ones where both fit the kernels."""
 
-    def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+    def _shared_as_expert(self) -> MoEWeights:
         sh = MoEWeights.__new__(MoEWeights)
         sh.__dict__.update(self.__dict__)
         sh.w13, sh.w2 = [self.shared_w13], [self.shared_w2]
         sh.w13_scale = [self.shared_w13_scale] if self.shared_w13_scale is not None else None
         sh.w2_scale = [self.shared_w2_scale] if self.shared_w2_scale is not None else None
+        return sh
+
+    def partial(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts) -> torch.Tensor:
+        mode = os.environ.get("MINIMAX_MOE_SHARED", "merged")
+        if mode not in ("merged", "separate"):
+            raise ValueError(f"MINIMAX_MOE_SHARED={mode!r}: expected 'merged' or 'separate'")
+        merge = (self.shared and experts is triton_experts and x.shape[0] > 0 and self.n_local > 0
+                 and mode == "merged"
+                 and supported(x, self) and supported(x, self._shared_as_expert()))
+        if not merge:
+            return super().partial(x, ids, weights, experts)
+        return grouped_gated_mlp(x, ids, weights, self.w13, self.w2, self.w13_scale, self.w2_scale,
+                                 self.expert_offset, self.activation, self.alpha, self.limit, self.beta,
+                                 self.num_experts, shared=(self.shared_w13, self.shared_w2,
+                                                           self.shared_w13_scale, self.shared_w2_scale))
+
+    def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        sh = self._shared_as_expert()
         if x.shape[0] == 0 or not supported(x, sh):
             return gated_mlp(x, self.shared_w13, self.shared_w2, self.shared_w13_scale, self.shared_w2_scale,
                              self.activation, self.alpha, self.limit, self.beta, self.group)

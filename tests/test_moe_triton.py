@@ -89,11 +89,22 @@ def test_bad_kernel_switches_are_errors(monkeypatch):
     from minimax_backend.kernels.moe_triton import tile_config
 
     monkeypatch.setenv("MINIMAX_MOE_TILES", "64,128")
-    with pytest.raises(ValueError, match="five integers"):
+    with pytest.raises(ValueError, match="five or six integers"):
         tile_config(8, 2, 8, False)
     monkeypatch.setenv("MINIMAX_MOE_KERNEL", "cutlass")
     with pytest.raises(ValueError, match="MINIMAX_MOE_KERNEL='cutlass'"):
         moe_ops._gpu_path(moe_ops.moe_reference)(torch.zeros(1, 4))
+    monkeypatch.setenv("MINIMAX_MOE_TILES", "16,128,128,4,3,64")  # the optional down BLOCK_N
+    assert tile_config(8, 2, 8, True)["BN_DOWN"] == 64
+
+
+def test_shared_mode_is_checked(monkeypatch):
+    from minimax_backend.kernels.moe_triton import TritonMoEWeights, triton_experts
+
+    w = TritonMoEWeights(*K.block_op_args(_block(tiny_m3_config, torch.float32, False)))
+    monkeypatch.setenv("MINIMAX_MOE_SHARED", "fused")
+    with pytest.raises(ValueError, match="MINIMAX_MOE_SHARED='fused'"):
+        w.partial(torch.zeros(1, 256), torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2), triton_experts)
 
 
 def test_align_mode_is_checked(monkeypatch):
@@ -214,17 +225,78 @@ def test_idle_and_crowded_experts(interp):
     assert _err(got, K.local_experts_reference(x, ids, tw, w), False) <= 1e-5
 
 
+def _shared_args(w, width):
+    """The shared expert's weights cut to `width` columns (a TP slice, narrower than a routed expert)."""
+    n = w.shared_w2.shape[1]
+    w13 = torch.cat([w.shared_w13[:width], w.shared_w13[n:n + width]]).contiguous()
+    w2 = w.shared_w2[:, :width].contiguous()
+    if w.shared_w13_scale is None:
+        return w13, w2, None, None
+    nb = n // 128
+    s13 = torch.cat([w.shared_w13_scale[:width // 128], w.shared_w13_scale[nb:nb + width // 128]]).contiguous()
+    return w13, w2, s13, w.shared_w2_scale[:, :width // 128].contiguous()
+
+
+@pytest.mark.parametrize("case", ["m3_f32", "m3_bf16", "m3_fp8"])
+@pytest.mark.parametrize("tokens", [1, 13])
+@pytest.mark.parametrize("shared_width", ["full", "half"])
+def test_shared_expert_in_the_grouped_launch_equals_its_own_launch(interp, case, tokens, shared_width):
+    """The shared expert as one more expert of the routed launches gives, bit for bit, what
+    its own launches give, also when its slice is narrower (TP) than a routed expert; and
+    EP halves of the routed experts (other ranks' pairs contribute nothing)."""
+    make, dtype, fp8, tol = CASES[case]
+    w = K.MoEWeights(*K.block_op_args(_block(make, dtype, fp8)))
+    width = w.shared_w2.shape[1] // (2 if shared_width == "half" else 1)
+    if fp8 and width % 128:
+        pytest.skip("FP8 slices are whole 128-column blocks")
+    sh = _shared_args(w, width)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    ids, tw = w.route(x)
+    cfg = interp.tile_config(tokens, ids.shape[1], w.num_experts, fp8, float32=dtype == torch.float32)
+    # all experts; EP 2 rank 0 (ids 4-7 belong to the other rank: the shared expert's id must
+    # not be taken for expert 4); EP 2 rank 1
+    for lo, hi in ((0, 8), (0, 4), (4, 8)):
+        sc13 = w.w13_scale[lo:hi] if fp8 else None
+        sc2 = w.w2_scale[lo:hi] if fp8 else None
+        common = ("swigluoai", w.alpha, w.limit, w.beta, w.num_experts, cfg)
+        merged = interp.grouped_gated_mlp(x, ids, tw, w.w13[lo:hi], w.w2[lo:hi], sc13, sc2, lo, *common, shared=sh)
+        routed = interp.grouped_gated_mlp(x, ids, tw, w.w13[lo:hi], w.w2[lo:hi], sc13, sc2, lo, *common)
+        alone = interp.grouped_gated_mlp(x, torch.zeros(tokens, 1, dtype=torch.int64), torch.ones(tokens, 1),
+                                         [sh[0]], [sh[1]], [sh[2]] if fp8 else None, [sh[3]] if fp8 else None,
+                                         0, *common, single_expert=True)
+        assert merged.dtype == dtype
+        assert torch.equal(merged, routed.to(dtype) + alone.to(dtype))
+
+
 @pytest.mark.parametrize("case", ALIGN_CASES)
-def test_triton_alignment_equals_the_sort(interp, case):
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_triton_alignment_equals_the_sort(interp, case, with_shared):
     from minimax_backend.kernels.moe_align_triton import align_by_expert_triton
 
     tokens, k, experts, offset, n_local, bm = case
     ids = _align_ids(tokens, k, experts, seed=tokens)
-    want = interp.align_by_expert(ids, offset, n_local, bm)
-    sorted_pair, block_expert, pair_row = align_by_expert_triton(ids, offset, n_local, bm)
+    shared_id = -2
+    if with_shared:  # one more slot per token: the shared expert, id = the expert count
+        if ids.numel() + tokens > 1024:
+            pytest.skip("past the one-program limit")
+        shared_id = experts
+        ids = torch.cat([ids, torch.full((tokens, 1), experts)], 1)
+    want = interp.align_by_expert(ids, offset, n_local, bm, shared_id)
+    sorted_pair, block_expert, pair_row = align_by_expert_triton(ids, offset, n_local, bm, shared_id)
     assert torch.equal(sorted_pair, want.sorted_pair)
     assert torch.equal(block_expert, want.block_expert)
     assert torch.equal(pair_row, want.pair_row)
+
+
+def test_alignment_puts_the_shared_expert_last_and_keeps_other_ranks_out():
+    from minimax_backend.kernels.moe_triton import align_by_expert
+
+    ids = torch.tensor([[0, 4], [5, 1], [3, 2]])  # EP 2 rank 0 owns experts 0-3 of 8
+    ids = torch.cat([ids, torch.full((3, 1), 8)], 1)  # the shared expert, id 8
+    al = align_by_expert(ids, 0, 4, 4, shared_id=8)
+    experts_of = {p: int(al.block_expert[int(al.pair_row[p]) // 4]) for p in range(9) if al.pair_row[p] >= 0}
+    # pairs 1 (expert 4) and 3 (expert 5) are the other rank's; the shared slots (2, 5, 8) are expert 4
+    assert experts_of == {0: 0, 4: 1, 6: 3, 7: 2, 2: 4, 5: 4, 8: 4}
 
 
 def test_triton_alignment_refuses_too_many_pairs(interp):
@@ -235,8 +307,10 @@ def test_triton_alignment_refuses_too_many_pairs(interp):
 
 
 @pytest.mark.parametrize("case, tokens", [("m3_fp8", 5), ("m3_bf16", 9)])
-def test_gpu_path_with_the_triton_alignment_equals_eager(interp, case, tokens, monkeypatch):
-    monkeypatch.setenv("MINIMAX_MOE_ALIGN", "triton")
+@pytest.mark.parametrize("switch", ["MINIMAX_MOE_ALIGN=torch", "MINIMAX_MOE_SHARED=separate"])
+def test_gpu_path_with_the_other_switches_equals_eager(interp, case, tokens, switch, monkeypatch):
+    """The non-default kernel switches (torch sort, shared expert in its own launches)."""
+    monkeypatch.setenv(*switch.split("="))
     test_gpu_path_of_the_ops_equals_eager(interp, case, tokens)
 
 
@@ -305,12 +379,39 @@ def test_triton_alignment_on_gpu_equals_the_sort(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["m3_bf16", "m3_fp8"])
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_gpu_kernels_with_the_triton_alignment(case, tokens, monkeypatch):
-    monkeypatch.setenv("MINIMAX_MOE_ALIGN", "triton")
+@pytest.mark.parametrize("switch", ["MINIMAX_MOE_ALIGN=torch", "MINIMAX_MOE_SHARED=separate"])
+def test_gpu_kernels_with_the_other_switches(case, tokens, switch, monkeypatch):
+    monkeypatch.setenv(*switch.split("="))
     test_gpu_kernels_against_cpu_reference(case, tokens)
 
 
 @pytest.mark.gpu
-def test_gpu_op_with_the_triton_alignment_captures(monkeypatch):
-    monkeypatch.setenv("MINIMAX_MOE_ALIGN", "triton")
+@pytest.mark.parametrize("case", ["m3_bf16", "m3_fp8"])
+def test_gpu_shared_expert_in_the_grouped_launch_equals_its_own_launch(case):
+    """As the interpreter test: merged == separate bit for bit on the GPU, incl. a half-width slice."""
+    import minimax_backend.kernels.moe_triton as kt
+
+    make, dtype, fp8, tol = CASES[case]
+    w = K.MoEWeights(*_cuda(K.block_op_args(_block(make, dtype, fp8))))
+    for width in (w.shared_w2.shape[1], w.shared_w2.shape[1] // 2):
+        sh = _shared_args(w, width)
+        for tokens in (1, 13, 200, 1000):  # BLOCK_M 16 to 128 (two K loops in shared memory)
+            x = torch.randn(tokens, 256, device="cuda").to(dtype)
+            ids, tw = w.route(x)
+            cfg = kt.tile_config(tokens, ids.shape[1], w.num_experts, fp8)
+            sc = (w.w13_scale, w.w2_scale) if fp8 else (None, None)
+            common = ("swigluoai", w.alpha, w.limit, w.beta, w.num_experts, cfg)
+            merged = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, *sc, 0, *common, shared=sh)
+            routed = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, *sc, 0, *common)
+            alone = kt.grouped_gated_mlp(x, torch.zeros(tokens, 1, dtype=torch.int64, device="cuda"),
+                                         torch.ones(tokens, 1, device="cuda"), [sh[0]], [sh[1]],
+                                         [sh[2]] if fp8 else None, [sh[3]] if fp8 else None, 0, *common,
+                                         single_expert=True)
+            assert torch.equal(merged, routed.to(dtype) + alone.to(dtype)), (width, tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["MINIMAX_MOE_ALIGN=torch", "MINIMAX_MOE_SHARED=separate"])
+def test_gpu_op_with_the_other_switches_captures(switch, monkeypatch):
+    monkeypatch.setenv(*switch.split("="))
     test_gpu_op_captures_into_a_cuda_graph("m3_fp8")
