@@ -23,6 +23,9 @@ routed to this rank's experts are sorted by expert and three kernels run:
                       weight applied in the epilogue
     combine           each token sums its k rows in float32
 
+The router's selection after its logits GEMM (sigmoid, bias, top-k,
+renormalize) is one kernel too (kernels/moe_route_triton.py).
+
 The shared expert runs as one more expert in the same three launches (every
 token, weight 1, its own width: under TP it is a slice, narrower than a
 routed expert), and the combine adds it as eager does, after rounding the
@@ -43,8 +46,8 @@ interpreter's bf16 tl.dot is wrong (triton 3.9) and its float32 -> bf16
 cast truncates, so the kernels upcast before dot and round with integer ops
 when interpreting, as the GPU's cvt.rn does.
 
-Not done here: tile configs are a first guess per token count (to be tuned
-on the H200 with tools/bench_moe.py); the fused combine writes k rows per
+Not done here: tile configs are a first guess per token count, tuned only at
+decode sizes (tools/profile_moe.py); the fused combine writes k rows per
 token (bf16) and sums them, where an atomic-add epilogue would skip that.
 """
 
@@ -460,8 +463,10 @@ def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
     bm = 16 if avg <= 16 else 32 if avg <= 48 else 64 if avg <= 192 else 128
     if float32:  # 4-byte tiles: halve K and the pipeline depth to fit the 227 KB of shared memory
         return {"BM": bm, "BN": 128, "BK": 32, "num_warps": 4 if bm <= 64 else 8, "num_stages": 2, "BN_DOWN": 128}
+    # FP8 decode (BM 16): the down GEMM in 64-column tiles, twice the programs to pull the weights
+    # (one H200, 1 token: 26.2 us against 29.1 with 128, 2026-11-30)
     return {"BM": bm, "BN": 128, "BK": 128 if fp8 else 64, "num_warps": 4 if bm <= 64 else 8,
-            "num_stages": 3 if bm <= 64 else 4, "BN_DOWN": 128}
+            "num_stages": 3 if bm <= 64 else 4, "BN_DOWN": 64 if fp8 and bm == 16 else 128}
 
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -628,6 +633,16 @@ def triton_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w:
 class TritonMoEWeights(MoEWeights):
     """MoEWeights whose experts run as grouped GEMMs (fused activation), the shared
     expert in the same launches as the routed ones where both fit the kernels."""
+
+    def route(self, x: torch.Tensor):
+        """The router's selection in one kernel after the logits GEMM (kernels/moe_route_triton.py);
+        MINIMAX_MOE_ROUTE=torch keeps the op-for-op path."""
+        from .moe_route_triton import route_fits, route_mode, route_triton
+
+        if route_mode() == "triton" and route_fits(x, self.router_weight.shape[0], self.top_k):
+            return route_triton(x, self.router_weight, self.correction_bias, self.top_k, self.norm_topk_prob,
+                                self.routed_scaling)
+        return super().route(x)
 
     def _shared_as_expert(self) -> MoEWeights:
         sh = MoEWeights.__new__(MoEWeights)

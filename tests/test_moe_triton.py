@@ -307,11 +307,56 @@ def test_triton_alignment_refuses_too_many_pairs(interp):
 
 
 @pytest.mark.parametrize("case, tokens", [("m3_fp8", 5), ("m3_bf16", 9)])
-@pytest.mark.parametrize("switch", ["MINIMAX_MOE_ALIGN=torch", "MINIMAX_MOE_SHARED=separate"])
+@pytest.mark.parametrize("switch", ["MINIMAX_MOE_ALIGN=torch", "MINIMAX_MOE_SHARED=separate", "MINIMAX_MOE_ROUTE=torch"])
 def test_gpu_path_with_the_other_switches_equals_eager(interp, case, tokens, switch, monkeypatch):
     """The non-default kernel switches (torch sort, shared expert in its own launches)."""
     monkeypatch.setenv(*switch.split("="))
     test_gpu_path_of_the_ops_equals_eager(interp, case, tokens)
+
+
+def _route_cases():
+    g = torch.Generator().manual_seed(7)
+    for tokens, experts, k, bias, norm in [(1, 128, 4, True, True), (13, 8, 2, True, True), (5, 8, 2, False, False),
+                                           (64, 128, 4, True, False), (3, 200, 8, True, True)]:
+        x = torch.randn(tokens, 64, generator=g)
+        rw = torch.randn(experts, 64, generator=g) * 0.2
+        cb = torch.randn(experts, generator=g) * 0.1 if bias else None
+        yield x, rw, cb, k, norm
+
+
+def _check_route(got, want):
+    """Same experts per token (any slot order), weights slot for slot to float32 rounding."""
+    ids, w = got
+    rids, rw = want
+    order, rorder = ids.argsort(1), rids.argsort(1)
+    assert torch.equal(ids.gather(1, order), rids.gather(1, rorder))
+    torch.testing.assert_close(w.gather(1, order), rw.gather(1, rorder), rtol=2e-6, atol=0)
+
+
+def test_triton_route_equals_the_torch_route(interp):
+    from minimax_backend.kernels.moe_route_triton import route_triton
+
+    for x, rw, cb, k, norm in _route_cases():
+        _check_route(route_triton(x, rw, cb, k, norm, 2.5), K.route(x, rw, cb, k, norm, 2.5))
+
+
+def test_triton_route_breaks_ties_towards_the_lower_id_and_orders_slots(interp):
+    from minimax_backend.kernels.moe_route_triton import route_triton
+
+    rw = torch.zeros(8, 4)
+    rw[[1, 3, 6], 0] = 1.0  # experts 1, 3, 6 tie at the top; 2 and 5 tie next
+    rw[[2, 5], 0] = 0.5
+    ids, w = route_triton(torch.tensor([[1.0, 0, 0, 0]]), rw, None, 4, False, 1.0)
+    assert ids.tolist() == [[1, 3, 6, 2]]
+    torch.testing.assert_close(w, torch.sigmoid(torch.tensor([[1.0, 1.0, 1.0, 0.5]])))
+
+
+def test_route_switch_is_checked(monkeypatch):
+    from minimax_backend.kernels.moe_route_triton import route_mode
+
+    monkeypatch.setenv("MINIMAX_MOE_ROUTE", "cub")
+    with pytest.raises(ValueError, match="MINIMAX_MOE_ROUTE='cub'"):
+        route_mode()
 
 
 def _cuda(args):
@@ -363,6 +408,15 @@ def test_gpu_op_captures_into_a_cuda_graph(case):
 
 
 @pytest.mark.gpu
+def test_triton_route_on_gpu_equals_the_cpu_route():
+    from minimax_backend.kernels.moe_route_triton import route_triton
+
+    for x, rw, cb, k, norm in _route_cases():
+        got = route_triton(x.cuda(), rw.cuda(), cb.cuda() if cb is not None else None, k, norm, 2.5)
+        _check_route(tuple(t.cpu() for t in got), K.route(x, rw, cb, k, norm, 2.5))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ALIGN_CASES)
 def test_triton_alignment_on_gpu_equals_the_sort(case):
     from minimax_backend.kernels.moe_align_triton import align_by_expert_triton
@@ -379,7 +433,7 @@ def test_triton_alignment_on_gpu_equals_the_sort(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["m3_bf16", "m3_fp8"])
 @pytest.mark.parametrize("tokens", [1, 64])
-@pytest.mark.parametrize("switch", ["MINIMAX_MOE_ALIGN=torch", "MINIMAX_MOE_SHARED=separate"])
+@pytest.mark.parametrize("switch", ["MINIMAX_MOE_ALIGN=torch", "MINIMAX_MOE_SHARED=separate", "MINIMAX_MOE_ROUTE=torch"])
 def test_gpu_kernels_with_the_other_switches(case, tokens, switch, monkeypatch):
     monkeypatch.setenv(*switch.split("="))
     test_gpu_kernels_against_cpu_reference(case, tokens)

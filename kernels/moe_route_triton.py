@@ -1,0 +1,99 @@
+"""The MoE router's selection in one Triton program per token, for the GPU path.
+
+kernels/moe.py:route is the model's router op for op: float32 logits, sigmoid,
++ correction bias, top-k, gather, renormalize, x routed scaling. After the
+logits GEMM that is about eight small launches, which at decode cost more than
+the work (one H200, FP8 MoE layer at 1 token: ~125 us in all, ~45 us of it
+outside the two grouped GEMMs, 2026-11-30 profile). Here the logits GEMM stays
+with cuBLAS and one kernel does the rest:
+
+    scores  = sigmoid(logits)                       float32
+    choice  = scores + bias                         (bias optional)
+    ids     = the top_k choices, highest first      ties: the lower expert id
+    weights = scores[ids] / sum (if normalized) * routed_scaling
+
+Differences from torch, all within what torch itself leaves open: the slot
+order (torch.topk(sorted=False) promises none; the combine sums the slots in
+float32), which of exactly tied experts wins (torch's choice is unspecified
+on CUDA; random inputs have no ties), and the sigmoid and the four-term sum
+may differ from torch's CUDA kernels in the last bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    triton = tl = None
+    HAVE_TRITON = False
+
+MAX_EXPERTS = 1024  # one [experts] vector per program in registers
+_MODES = ("triton", "torch")
+
+
+def route_mode() -> str:
+    """MINIMAX_MOE_ROUTE: triton (default) or torch (the op-for-op path, to compare)."""
+    mode = os.environ.get("MINIMAX_MOE_ROUTE", "triton")
+    if mode not in _MODES:
+        raise ValueError(f"MINIMAX_MOE_ROUTE={mode!r}: expected one of {_MODES}")
+    return mode
+
+
+def route_fits(x: torch.Tensor, num_experts: int, top_k: int) -> bool:
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return (HAVE_TRITON and (x.is_cuda or interpreting) and x.shape[0] > 0
+            and 0 < top_k <= num_experts <= MAX_EXPERTS)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, scaling,
+                       HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr, BE: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BE)
+        ok = offs < E
+        scores = tl.sigmoid(tl.load(logits_ptr + t * stride_l + offs, mask=ok, other=0.0))
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + offs, mask=ok, other=0.0)
+        choice = tl.where(ok, choice, float("-inf"))
+        # K rounds of argmax; each winner's slot (rank) is kept per expert lane
+        slot = tl.full((BE,), -1, tl.int32)
+        for j in tl.static_range(K):
+            best = tl.max(choice, axis=0)
+            winner = tl.min(tl.where(choice == best, offs, BE), axis=0)  # ties: the lower id
+            slot = tl.where(offs == winner, j, slot)
+            choice = tl.where(offs == winner, float("-inf"), choice)
+        picked = slot >= 0
+        w = tl.where(picked, scores, 0.0)
+        if NORM:
+            w = w / tl.sum(w, axis=0)
+        w = w * scaling
+        dst = t * K + tl.where(picked, slot, 0)
+        tl.store(ids_ptr + dst, offs.to(tl.int64), mask=picked)
+        tl.store(w_ptr + dst, w, mask=picked)
+
+
+def route_triton(x: torch.Tensor, router_weight: torch.Tensor, correction_bias, top_k: int,
+                 norm_topk_prob: bool, routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64 [T, k], weights float32 [T, k]) as kernels/moe.py:route, in two launches."""
+    logits = F.linear(x.float(), router_weight.float())
+    t, e = logits.shape
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    bias = correction_bias.float().contiguous() if correction_bias is not None else logits
+    _select_kernel[(t,)](
+        logits, bias, ids, weights, e, logits.stride(0), float(routed_scaling),
+        HAS_BIAS=correction_bias is not None, NORM=bool(norm_topk_prob), K=top_k,
+        BE=triton.next_power_of_2(e), num_warps=1 if e <= 256 else 4,
+    )
+    return ids, weights
