@@ -620,6 +620,25 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return out
 
 
+def shared_in_grouped_launch(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool,
+                             width: int, shared_width: int) -> bool:
+    """Whether the shared expert runs inside the routed launches (MINIMAX_MOE_SHARED=merged,
+    the default) or in its own (=separate, to compare; or where merging measured slower).
+
+    Merged is faster at every measured size when the shared expert is as wide as a routed
+    one (EP 1), and at BLOCK_M <= 64 when it is a narrower TP slice (EP 2: 1 token 0.372 ->
+    0.120 ms FP8, 512 tokens 1.475 -> 1.349). A narrower slice at BLOCK_M 128 (thousands
+    of tokens) needs the down kernel's second K loop with fewer pipeline stages, and was
+    slower there (EP 2, 4096 tokens per rank: FP8 3.40 -> 3.73 ms, BF16 4.87 -> 5.55;
+    2 x H200, 2026-11-30): those sizes keep the separate launches."""
+    mode = os.environ.get("MINIMAX_MOE_SHARED", "merged")
+    if mode not in ("merged", "separate"):
+        raise ValueError(f"MINIMAX_MOE_SHARED={mode!r}: expected 'merged' or 'separate'")
+    if mode == "separate":
+        return False
+    return shared_width == width or tile_config(tokens, top_k, num_experts, fp8, float32)["BM"] <= 64
+
+
 def triton_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights) -> torch.Tensor:
     """The ExpertsFn of kernels/moe.py on the GPU (falls back to the reference when unsupported)."""
     from .moe import local_experts_reference
@@ -653,11 +672,10 @@ class TritonMoEWeights(MoEWeights):
         return sh
 
     def partial(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts) -> torch.Tensor:
-        mode = os.environ.get("MINIMAX_MOE_SHARED", "merged")
-        if mode not in ("merged", "separate"):
-            raise ValueError(f"MINIMAX_MOE_SHARED={mode!r}: expected 'merged' or 'separate'")
         merge = (self.shared and experts is triton_experts and x.shape[0] > 0 and self.n_local > 0
-                 and mode == "merged"
+                 and shared_in_grouped_launch(x.shape[0], ids.shape[1], self.num_experts, self.fp8,
+                                              x.dtype == torch.float32, self.w2[0].shape[1],
+                                              self.shared_w2.shape[1])
                  and supported(x, self) and supported(x, self._shared_as_expert()))
         if not merge:
             return super().partial(x, ids, weights, experts)

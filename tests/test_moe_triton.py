@@ -98,6 +98,18 @@ def test_bad_kernel_switches_are_errors(monkeypatch):
     assert tile_config(8, 2, 8, True)["BN_DOWN"] == 64
 
 
+def test_where_the_shared_expert_joins_the_grouped_launch(monkeypatch):
+    from minimax_backend.kernels.moe_triton import shared_in_grouped_launch
+
+    m3 = dict(top_k=4, num_experts=128, fp8=True, float32=False, width=3072)
+    assert shared_in_grouped_launch(8192, shared_width=3072, **m3)  # EP 1: always
+    assert shared_in_grouped_launch(2, shared_width=1536, **m3)  # EP 2 (a half slice) at decode
+    assert shared_in_grouped_launch(1024, shared_width=1536, **m3)  # BLOCK_M 32
+    assert not shared_in_grouped_launch(8192, shared_width=1536, **m3)  # BLOCK_M 128: measured slower
+    monkeypatch.setenv("MINIMAX_MOE_SHARED", "separate")
+    assert not shared_in_grouped_launch(2, shared_width=3072, **m3)
+
+
 def test_shared_mode_is_checked(monkeypatch):
     from minimax_backend.kernels.moe_triton import TritonMoEWeights, triton_experts
 
