@@ -502,6 +502,17 @@ def _shared_column(tokens: int, expert: int, device: torch.device) -> tuple[torc
     return col
 
 
+def down_stages(stages: int, two_loops: bool, bm: int, bn: int, bk: int, elem_bytes: int) -> int:
+    """The down kernel's pipeline depth: with a narrower shared expert it has two copies of
+    its K loop (see _down_kernel), each with its own buffers, and both must fit in the
+    227 KB of shared memory (4 stages at BLOCK_M 128 needed 256 KB: OutOfResources on
+    the H200; tests/test_triton_sm90_codegen.py compiles both for sm_90)."""
+    if not two_loops:
+        return stages
+    per_stage = (bm * bk + bn * bk) * elem_bytes
+    return max(2, min(stages, (220 * 1024) // (2 * per_stage)))
+
+
 def used_blocks(al: Alignment, pairs: int) -> int:
     """BLOCK_M-row blocks that can hold pairs: every expert's run starts at row 0 onward and
     a non-empty block holds at least one pair, so at most `pairs` blocks are in use. The
@@ -601,10 +612,9 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     y = torch.empty(rows, hidden, dtype=out_dt, device=dev)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
     down_launch = dict(launch)
-    if shared is not None and widths[-1] != n and "num_stages" in down_launch:
-        # two copies of the K loop (see _down_kernel): both pipelines in the 227 KB of shared memory
-        per_stage = (bm * bk + bn_down * bk) * (1 if fp8 else x.element_size())
-        down_launch["num_stages"] = max(2, min(down_launch["num_stages"], (220 * 1024) // (2 * per_stage)))
+    if "num_stages" in down_launch:
+        down_launch["num_stages"] = down_stages(down_launch["num_stages"], shared is not None and widths[-1] != n,
+                                                bm, bn_down, bk, 1 if fp8 else x.element_size())
     _down_kernel[(num_m * triton.cdiv(hidden, bn_down),)](
         h, hs, w2_t, ws2_t, al.sorted_pair, al.block_expert, tw, y,
         hidden, n_experts, num_m, h.stride(0), hs.stride(0), y.stride(0),

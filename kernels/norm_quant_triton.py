@@ -4,7 +4,9 @@ One program handles ROWS rows (ROWS = 1 at the served width, hidden 6144; more
 for narrow rows so a program still moves a useful number of bytes). A row is
 held as a [NG, G] tile (NG = next power of two >= K / G groups), so the
 per-group amax is a reduction along axis 1 and the row's sum of squares a
-reduction over the whole tile. All math is float32:
+reduction over the whole tile; or, with split_tiles, as two exact tiles
+(48 groups = 32 + 16) where one padded tile leaves a quarter of the lanes
+idle. All math is float32:
 
     h      = x (+ residual), rounded to x.dtype           (written when asked)
     rstd   = rsqrt(sum(h * h) / K + eps)
@@ -54,7 +56,8 @@ except ImportError:  # pragma: no cover - depends on the install
     tl = None
     HAVE_TRITON = False
 
-__all__ = ["HAVE_TRITON", "supported", "rms_norm_quant_fp8_triton", "quantize_fp8_triton", "launch_config"]
+__all__ = ["HAVE_TRITON", "supported", "rms_norm_quant_fp8_triton", "quantize_fp8_triton", "launch_config",
+           "tile_groups"]
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -76,8 +79,20 @@ def supported(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.T
     return residual is None or residual.dtype == x.dtype
 
 
+def tile_groups(n_groups: int, split: bool) -> tuple[int, int]:
+    """Groups in the row's first and second tile (0: one tile). Tiles are powers of two:
+    one tile of next_power_of_2(groups) leaves lanes idle (6144 / 128 = 48 groups in a
+    64-group tile: 25%); split, the row is two exact tiles where it can be (48 = 32 + 16)."""
+    one = triton.next_power_of_2(n_groups)
+    if not split or one == n_groups:
+        return one, 0
+    first = one // 2
+    rest = n_groups - first
+    return (first, rest) if rest & (rest - 1) == 0 else (one, 0)
+
+
 def launch_config(k: int, group_size: int, m: int) -> dict:
-    """Rows per program and warps for a row of K values (a heuristic; the benchmark sweeps warps)."""
+    """Rows per program, warps and tiles for a row of K values (a heuristic; the benchmark sweeps)."""
     ng = triton.next_power_of_2(k // group_size)
     tile = ng * group_size
     rows = max(1, min(16, 2048 // tile))  # narrow rows: several per program
@@ -86,7 +101,8 @@ def launch_config(k: int, group_size: int, m: int) -> dict:
         # measured on the H200 at hidden 6144 (CUDA-graph replays, 2026-11-30): 4 warps
         # beat 8 by 8-9% at M = 4096-16384 (82-89% of the copy bandwidth)
         warps = 4
-    return {"ROWS": rows, "NG": ng, "num_warps": warps}
+    # SPLIT: two exact tiles instead of one padded tile; not yet measured on the H200, so off
+    return {"ROWS": rows, "NG": ng, "num_warps": warps, "SPLIT": False}
 
 
 if HAVE_TRITON:
@@ -100,78 +116,113 @@ if HAVE_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _columns(g0, n_groups, G: tl.constexpr, NG: tl.constexpr):
+        """Columns of the NG groups from group g0 on, as an [NG, G] tile, and which exist."""
+        col = (g0 + tl.arange(0, NG))[:, None] * G + tl.arange(0, G)[None, :]
+        return col, col < n_groups * G
+
+    @triton.jit
+    def _load_row_tile(x_ptr, res_ptr, r_ptr, row, M, stride_x, stride_res, stride_r, col, cmask,
+                       HAS_RESIDUAL: tl.constexpr, ROUND_BF16: tl.constexpr):
+        """h = x (+ residual, rounded to x.dtype and written back) for one tile of one row."""
+        # (the row test is broadcast to the tile explicitly: the interpreter rejects a scalar & tile mask)
+        mask = cmask & ((col * 0 + row) < M)
+        row64 = row.to(tl.int64)
+        h = tl.load(x_ptr + row64 * stride_x + col, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            h = h + tl.load(res_ptr + row64 * stride_res + col, mask=mask, other=0.0).to(tl.float32)
+            if ROUND_BF16:
+                h = _round_to_bf16(h)
+            tl.store(r_ptr + row64 * stride_r + col, h.to(r_ptr.dtype.element_ty), mask=mask)
+        return h
+
+    @triton.jit
+    def _norm_quant_tile(h, rstd, w, q_ptr, s_ptr, y_ptr, row, M, stride_q, stride_s, stride_y, col, cmask,
+                         g0, n_groups, NG: tl.constexpr, GEMMA: tl.constexpr, WANT_Y: tl.constexpr,
+                         ROUND_BF16: tl.constexpr, NORM: tl.constexpr):
+        """y = norm(h) (NORM) or h, then its 1 x G quantization: the tile's FP8 data and scales."""
+        mask = cmask & ((col * 0 + row) < M)
+        row64 = row.to(tl.int64)
+        y = h
+        if NORM:
+            normed = h * rstd
+            if GEMMA:
+                y = normed * w  # w is 1 + weight here
+                if ROUND_BF16:
+                    y = _round_to_bf16(y)
+            else:
+                if ROUND_BF16:
+                    normed = _round_to_bf16(normed)
+                y = normed * w
+                if ROUND_BF16:
+                    y = _round_to_bf16(y)
+        if WANT_Y:
+            tl.store(y_ptr + row64 * stride_y + col, y.to(y_ptr.dtype.element_ty), mask=mask)
+        # One power-of-two scale per group: 2 ** ceil(log2(amax / 448)) from the exponent bits.
+        amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-30)  # [NG]
+        v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        vb = v.to(tl.int32, bitcast=True)
+        e = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the scale
+        scale = (e << 23).to(tl.float32, bitcast=True)
+        inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
+        q = tl.minimum(tl.maximum(y * inv[:, None], -448.0), 448.0)
+        tl.store(q_ptr + row64 * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=mask)
+        g1 = g0 + tl.arange(0, NG)
+        tl.store(s_ptr + row64 * stride_s + g1, scale, mask=(g1 < n_groups) & ((g1 * 0 + row) < M))
+
+    @triton.jit
     def _rms_norm_quant_fp8_kernel(
         x_ptr, res_ptr, w_ptr,
         q_ptr, s_ptr, y_ptr, r_ptr,
         M, K_f, n_groups,
         stride_x, stride_res, stride_q, stride_s, stride_y, stride_r,
-        eps, programs,
+        eps,
         G: tl.constexpr,
         NG: tl.constexpr,
+        NG_B: tl.constexpr,
         ROWS: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
         GEMMA: tl.constexpr,
         WANT_Y: tl.constexpr,
         ROUND_BF16: tl.constexpr,
         NORM: tl.constexpr,
-        ITERS: tl.constexpr,
     ):
+        # The row is one [NG, G] tile, or (NG_B > 0) two: groups 0..NG-1 and NG..NG+NG_B-1.
         # NORM=False: quantization only (minimax::quantize_fp8 of x): y = x.
         pid = tl.program_id(0)
-        grp = tl.arange(0, NG)[:, None]
-        col = grp * G + tl.arange(0, G)[None, :]
-        cmask = col < n_groups * G  # [NG, G]: the padded groups are masked out
+        col_a, cmask_a = _columns(0, n_groups, G, NG)
+        col_b, cmask_b = _columns(NG, n_groups, G, NG_B if NG_B > 0 else 1)
+        w_a = tl.zeros((NG, G), tl.float32)
+        w_b = tl.zeros((NG_B if NG_B > 0 else 1, G), tl.float32)
         if NORM:
-            w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(tl.float32)
+            w_a = tl.load(w_ptr + col_a, mask=cmask_a, other=0.0).to(tl.float32)
+            if NG_B > 0:
+                w_b = tl.load(w_ptr + col_b, mask=cmask_b, other=0.0).to(tl.float32)
             if GEMMA:
-                w1 = 1.0 + w
-        # ITERS > 1: a persistent grid of `programs` programs, each striding over the rows
-        # (reuses the norm weight it loaded; no tail of a last partial wave)
-        for it in range(ITERS):
-            for i in tl.static_range(ROWS):
-                row = (it * programs + pid) * ROWS + i
-                # (the row test is broadcast to the tile explicitly: the interpreter rejects a scalar & tile mask)
-                mask = cmask & ((col * 0 + row) < M)
-                row64 = row.to(tl.int64)
-                h = tl.load(x_ptr + row64 * stride_x + col, mask=mask, other=0.0).to(tl.float32)
-                if HAS_RESIDUAL:
-                    h = h + tl.load(res_ptr + row64 * stride_res + col, mask=mask, other=0.0).to(tl.float32)
-                    if ROUND_BF16:
-                        h = _round_to_bf16(h)
-                    tl.store(r_ptr + row64 * stride_r + col, h.to(r_ptr.dtype.element_ty), mask=mask)
-                y = h
-                if NORM:
-                    ss = tl.sum(tl.sum(h * h, axis=1), axis=0)
-                    # IEEE division as torch's mean; rsqrt as torch computes it on the CPU: an
-                    # IEEE sqrt, then an IEEE division (measured equal on 2**20 values), not the
-                    # GPU's approximate rsqrt. Once per row: free.
-                    var = tl.math.div_rn(ss, K_f) + eps
-                    rstd = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.math.sqrt_rn(var))
-                    normed = h * rstd
-                    if GEMMA:
-                        y = normed * w1
-                        if ROUND_BF16:
-                            y = _round_to_bf16(y)
-                    else:
-                        if ROUND_BF16:
-                            normed = _round_to_bf16(normed)
-                        y = normed * w
-                        if ROUND_BF16:
-                            y = _round_to_bf16(y)
-                if WANT_Y:
-                    tl.store(y_ptr + row64 * stride_y + col, y.to(y_ptr.dtype.element_ty), mask=mask)
-                # One power-of-two scale per group: 2 ** ceil(log2(amax / 448)) from the exponent bits.
-                amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-30)  # [NG]
-                v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-                vb = v.to(tl.int32, bitcast=True)
-                e = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the scale
-                scale = (e << 23).to(tl.float32, bitcast=True)
-                inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
-                q = y * inv[:, None]
-                q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-                tl.store(q_ptr + row64 * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=mask)
-                g1 = tl.arange(0, NG)
-                tl.store(s_ptr + row64 * stride_s + g1, scale, mask=(g1 < n_groups) & ((g1 * 0 + row) < M))
+                w_a = 1.0 + w_a
+                w_b = 1.0 + w_b
+        for i in tl.static_range(ROWS):
+            row = pid * ROWS + i
+            h_a = _load_row_tile(x_ptr, res_ptr, r_ptr, row, M, stride_x, stride_res, stride_r, col_a, cmask_a,
+                                 HAS_RESIDUAL, ROUND_BF16)
+            if NG_B > 0:
+                h_b = _load_row_tile(x_ptr, res_ptr, r_ptr, row, M, stride_x, stride_res, stride_r, col_b,
+                                     cmask_b, HAS_RESIDUAL, ROUND_BF16)
+            rstd = 1.0
+            if NORM:
+                ss = tl.sum(tl.sum(h_a * h_a, axis=1), axis=0)
+                if NG_B > 0:
+                    ss += tl.sum(tl.sum(h_b * h_b, axis=1), axis=0)
+                # IEEE division as torch's mean; rsqrt as torch computes it on the CPU: an IEEE
+                # sqrt, then an IEEE division (measured equal on 2**20 values), not the GPU's
+                # approximate rsqrt. Once per row: free.
+                var = tl.math.div_rn(ss, K_f) + eps
+                rstd = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.math.sqrt_rn(var))
+            _norm_quant_tile(h_a, rstd, w_a, q_ptr, s_ptr, y_ptr, row, M, stride_q, stride_s, stride_y, col_a,
+                             cmask_a, 0, n_groups, NG, GEMMA, WANT_Y, ROUND_BF16, NORM)
+            if NG_B > 0:
+                _norm_quant_tile(h_b, rstd, w_b, q_ptr, s_ptr, y_ptr, row, M, stride_q, stride_s, stride_y,
+                                 col_b, cmask_b, NG, n_groups, NG_B, GEMMA, WANT_Y, ROUND_BF16, NORM)
 
 
 def rms_norm_quant_fp8_triton(
@@ -184,12 +235,12 @@ def rms_norm_quant_fp8_triton(
     want_bf16_output: bool = False,
     num_warps: int | None = None,
     rows_per_program: int | None = None,
-    programs: int | None = None,
+    split_tiles: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
-    programs: a persistent grid of at most this many programs striding over the
-    rows (one compile per row count); default one program per rows_per_program rows."""
+    split_tiles: the row as two exact power-of-two tiles where its group count allows
+    (tile_groups); None: launch_config's choice."""
     if not HAVE_TRITON:
         raise RuntimeError("rms_norm_quant_fp8_triton needs triton (pip install triton)")
     shape, k = x.shape, x.shape[-1]
@@ -209,18 +260,16 @@ def rms_norm_quant_fp8_triton(
     r = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else x.new_empty(0)
     cfg = launch_config(k, group_size, m)
     rows = rows_per_program or cfg["ROWS"]
+    ng, ng_b = tile_groups(k // group_size, cfg["SPLIT"] if split_tiles is None else split_tiles)
     if m > 0:
-        blocks = triton.cdiv(m, rows)
-        grid = (min(programs, blocks),) if programs else (blocks,)
-        iters = triton.cdiv(blocks, grid[0])
-        _rms_norm_quant_fp8_kernel[grid](
+        _rms_norm_quant_fp8_kernel[(triton.cdiv(m, rows),)](
             x2, res2 if res2 is not None else x2, weight,
             q, s, y if want_bf16_output else q, r if residual is not None else q,
             m, float(k), k // group_size,
             x2.stride(0), res2.stride(0) if res2 is not None else 0, q.stride(0), s.stride(0),
             y.stride(0) if want_bf16_output else 0, r.stride(0) if residual is not None else 0,
-            float(eps), grid[0],
-            G=group_size, NG=cfg["NG"], ROWS=rows, ITERS=iters,
+            float(eps),
+            G=group_size, NG=ng, NG_B=ng_b, ROWS=rows,
             HAS_RESIDUAL=residual is not None, GEMMA=bool(gemma), WANT_Y=bool(want_bf16_output),
             ROUND_BF16=x.dtype == torch.bfloat16, NORM=True,
             num_warps=num_warps or cfg["num_warps"],
@@ -256,8 +305,8 @@ def quantize_fp8_triton(x: torch.Tensor, group_size: int = 128, num_warps: int |
             x2, x2, x2, q, s, q, q,
             m, float(k), k // group_size,
             x2.stride(0), 0, q.stride(0), s.stride(0), 0, 0,
-            0.0, triton.cdiv(m, cfg["ROWS"]),
-            G=group_size, NG=cfg["NG"], ROWS=cfg["ROWS"], ITERS=1,
+            0.0,
+            G=group_size, NG=cfg["NG"], NG_B=0, ROWS=cfg["ROWS"],
             HAS_RESIDUAL=False, GEMMA=False, WANT_Y=False, ROUND_BF16=False, NORM=False,
             num_warps=num_warps or cfg["num_warps"],
         )

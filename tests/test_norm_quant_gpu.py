@@ -31,7 +31,8 @@ def _nice(shape, gen, dtype):
     (1, 256, 128, True, False), (37, 384, 128, True, True), (7, 384, 32, False, True),
     (4096, 6144, 128, True, True), (129, 6144, 128, True, False), (1000, 6144, 32, False, False),
 ])
-def test_triton_kernel_on_gpu_is_bit_exact_on_exact_sums(m, k, g, gemma, with_residual):
+@pytest.mark.parametrize("split", [False, True], ids=["one_tile", "split_tiles"])
+def test_triton_kernel_on_gpu_is_bit_exact_on_exact_sums(m, k, g, gemma, with_residual, split):
     from minimax_backend.kernels.norm_quant_triton import rms_norm_quant_fp8_triton
 
     # |x| <= 4 in steps of 1/4: sum(x * x) is at most 256 * K sixteenths < 2**24, exact in any order
@@ -41,7 +42,8 @@ def test_triton_kernel_on_gpu_is_bit_exact_on_exact_sums(m, k, g, gemma, with_re
     w = (torch.randn(k, generator=gen) * 0.2 + (0.0 if gemma else 1.0)).to(torch.bfloat16)
     ref = rms_norm_quant_fp8_reference(x, res, w, 1e-6, gemma, g, True)
     dev = "cuda"
-    out = rms_norm_quant_fp8_triton(x.to(dev), None if res is None else res.to(dev), w.to(dev), 1e-6, gemma, g, True)
+    out = rms_norm_quant_fp8_triton(x.to(dev), None if res is None else res.to(dev), w.to(dev), 1e-6, gemma, g, True,
+                                    split_tiles=split)
     q, s, y, r = (t.cpu() for t in out)
     assert torch.equal(s, ref[1])
     assert torch.equal(y, ref[2])

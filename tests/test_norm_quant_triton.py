@@ -116,15 +116,17 @@ CASES = [
 
 
 @in_child
+@pytest.mark.parametrize("split", [False, True], ids=["one_tile", "split_tiles"])
 @pytest.mark.parametrize("m,k,g,gemma,with_residual,dtype", CASES)
-def test_interpreter_matches_reference(nqt, m, k, g, gemma, with_residual, dtype):
+def test_interpreter_matches_reference(nqt, m, k, g, gemma, with_residual, dtype, split):
+    """split: rows of 3 or 12 groups as two tiles (2 + 1, 8 + 4); 2 or 8 groups stay one tile."""
     gen = torch.Generator().manual_seed(m * 1000 + k + g)
     x = _nice((m, k), gen, dtype)
     residual = _nice((m, k), gen, dtype) if with_residual else None
     w = (torch.randn(k, generator=gen) * 0.2 + (0.0 if gemma else 1.0)).to(dtype)
     ref = rms_norm_quant_fp8_reference(x, residual, w, 1e-6, gemma, g, True)
     assert nqt.supported(x, residual, w, g)
-    out = nqt.rms_norm_quant_fp8_triton(x, residual, w, 1e-6, gemma, g, True)
+    out = nqt.rms_norm_quant_fp8_triton(x, residual, w, 1e-6, gemma, g, True, split_tiles=split)
     q, s, y, r = out
     assert q.dtype == FP8_DTYPE and q.shape == (m, k) and s.shape == (m, k // g)
     assert torch.equal(s, ref[1]), "scales differ"
@@ -169,16 +171,27 @@ def test_interpreter_general_inputs_within_one_rounding(nqt):
     check_fp8_data(q[same_rows], ref[0][same_rows], ref[2][same_rows], ref[1][same_rows])
 
 
+def test_tile_groups():
+    from minimax_backend.kernels.norm_quant_triton import tile_groups
+
+    assert tile_groups(48, False) == (64, 0)  # hidden 6144, G 128: one tile, 16 idle groups
+    assert tile_groups(48, True) == (32, 16)
+    assert tile_groups(192, True) == (128, 64)  # G 32 (MXFP8)
+    assert tile_groups(64, True) == (64, 0)  # a power of two needs no split
+    assert tile_groups(40, True) == (32, 8)
+    assert tile_groups(56, True) == (64, 0)  # 32 + 24: the rest is no power of two
+
+
 @in_child
-@pytest.mark.parametrize("programs, rows", [(1, 1), (3, 1), (4, 2), (64, 1)])
-def test_persistent_grid_equals_one_program_per_row(nqt, programs, rows):
-    """programs < row blocks: each program strides over several (37 rows: uneven last pass)."""
-    gen = torch.Generator().manual_seed(programs)
-    x = _nice((37, 384), gen, torch.bfloat16)
-    res = _nice((37, 384), gen, torch.bfloat16)
-    w = (torch.randn(384, generator=gen) * 0.2).to(torch.bfloat16)
-    want = nqt.rms_norm_quant_fp8_triton(x, res, w, 1e-6, True, 128, True)
-    got = nqt.rms_norm_quant_fp8_triton(x, res, w, 1e-6, True, 128, True, rows_per_program=rows, programs=programs)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_split_tiles_equal_one_tile_at_the_served_width(nqt, rows):
+    """Hidden 6144 (48 groups as 32 + 16), 5 rows (an odd last block at 2 rows per program)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = _nice((5, 6144), gen, torch.bfloat16)
+    res = _nice((5, 6144), gen, torch.bfloat16)
+    w = (torch.randn(6144, generator=gen) * 0.2).to(torch.bfloat16)
+    want = nqt.rms_norm_quant_fp8_triton(x, res, w, 1e-6, True, 128, True, rows_per_program=rows)
+    got = nqt.rms_norm_quant_fp8_triton(x, res, w, 1e-6, True, 128, True, rows_per_program=rows, split_tiles=True)
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.uint8) if a.dtype == FP8_DTYPE else a,
                            b.view(torch.uint8) if b.dtype == FP8_DTYPE else b)

@@ -12,8 +12,11 @@ Three parts, each a table, all in one JSON:
    with the bytes each must move, and the fused kernel's share of the copy
    bandwidth measured on this card (a 1 GiB device-to-device copy). Target:
    >= 85% at M >= 4096. The fused kernel's num_warps and rows per program
-   are swept, and persistent grids of 2, 4 or 8 programs per SM; `fused_ms` is the default launch, `fused_best_ms` the best of
-   the sweep. Parts 1 and 2 time CUDA-graph replays of 10 back-to-back calls
+   are swept, each with the row as one padded tile and as two exact tiles
+   (split_tiles); `fused_ms` is the default launch, `fused_best_ms` the best
+   of the sweep. (Persistent grids of 2, 4 or 8 programs per SM were swept
+   on the H200 on 2026-11-30 and were slower at every M:
+   tools/results/2026-11-30_h200_norm_quant_persistent_sweep.json.) Parts 1 and 2 time CUDA-graph replays of 10 back-to-back calls
    (as the backend runs them; --no-graphs times single Python launches,
    which at these sizes mostly measures the host). Each M also
    reports whether the fused outputs equal the reference (fraction of equal
@@ -103,10 +106,6 @@ def _plain(x, res, w):
     return q, s, h
 
 
-def _sm_count() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count if DEV == "cuda" else 2
-
-
 def part_kernel(args, median_ms, bw) -> list[dict]:
     from minimax_backend.kernels.norm_quant import rms_norm_quant_fp8_reference
     from minimax_backend.kernels.norm_quant_triton import launch_config, rms_norm_quant_fp8_triton
@@ -124,9 +123,9 @@ def part_kernel(args, median_ms, bw) -> list[dict]:
         nbytes = m * HIDDEN * (2 + 2 + 2 + 1) + m * (HIDDEN // GROUP) * 4 + HIDDEN * 2
         row = {"M": m, "MB_moved": nbytes / 1e6}
 
-        def fused(nw=None, rows_per_program=None, programs=None):
+        def fused(nw=None, rows_per_program=None, split=None):
             return rms_norm_quant_fp8_triton(x, res, w, EPS, True, GROUP, False, num_warps=nw,
-                                             rows_per_program=rows_per_program, programs=programs)
+                                             rows_per_program=rows_per_program, split_tiles=split)
 
         out = fused()
         ref = rms_norm_quant_fp8_reference(x, res, w, EPS, True, GROUP, False)
@@ -134,21 +133,20 @@ def part_kernel(args, median_ms, bw) -> list[dict]:
         row["residual_equal"] = bool(torch.equal(out[3], ref[3]))
         row["fp8_equal_frac"] = float((out[0].view(torch.uint8) == ref[0].view(torch.uint8)).float().mean())
         row["fused_ms"] = median_ms(lambda: fused(), args.warmup, args.repeats)
+        split_out = fused(split=True)  # the two-tile layout must give the same bytes
+        row["split_equal"] = all(bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+                                 for a, b in zip(split_out, out) if a.numel())
         sweep = {}
-        for nw in (2, 4, 8, 16):
-            for rpp in (1, 2, 4):
-                sweep[(nw, rpp, None)] = median_ms(lambda: fused(nw, rpp), args.warmup, args.repeats)
-        for nw in (4, 8):  # persistent grids: a few programs per SM striding over the rows
-            for rpp in (1, 2):
-                for per_sm in (2, 4, 8):
-                    progs = per_sm * _sm_count()
-                    sweep[(nw, rpp, progs)] = median_ms(lambda: fused(nw, rpp, progs), args.warmup, args.repeats)
+        for split in (False, True):
+            for nw in (2, 4, 8, 16):
+                for rpp in (1, 2, 4):
+                    sweep[(nw, rpp, split)] = median_ms(lambda: fused(nw, rpp, split), args.warmup, args.repeats)
         best = min(sweep, key=sweep.get)
         cfg = launch_config(HIDDEN, GROUP, m)
-        row["default_warps"], row["default_rows"] = cfg["num_warps"], cfg["ROWS"]
-        row["best_warps"], row["best_rows"], row["best_programs"] = best
+        row["default_warps"], row["default_rows"], row["default_split"] = cfg["num_warps"], cfg["ROWS"], cfg["SPLIT"]
+        row["best_warps"], row["best_rows"], row["best_split"] = best
         row["fused_best_ms"] = sweep[best]
-        row["sweep_ms"] = {f"warps={k[0]} rows={k[1]} programs={k[2] or 'all'}": v for k, v in sweep.items()}
+        row["sweep_ms"] = {f"warps={k[0]} rows={k[1]} split={k[2]}": v for k, v in sweep.items()}
         row["eager_ms"] = median_ms(lambda: _eager(x, res, w), args.warmup, args.repeats)
         inductor(x, res, w)
         row["inductor_ms"] = median_ms(lambda: inductor(x, res, w), args.warmup, args.repeats)
@@ -302,7 +300,7 @@ def job(rank: int, world: int, args) -> None:
         if "kernel" in args.parts:
             rows = part_kernel(args, kernel_ms, bw)
             payload["kernel"] = rows
-            print_table(rows, ["M", "MB_moved", "fused_ms", "fused_best_ms", "best_warps", "best_rows", "best_programs", "eager_ms", "inductor_ms",
+            print_table(rows, ["M", "MB_moved", "fused_ms", "fused_best_ms", "best_warps", "best_rows", "best_split", "split_equal", "eager_ms", "inductor_ms",
                                "fused_bw_frac", "inductor_bw_frac", "speedup_vs_eager", "speedup_vs_inductor",
                                "scales_equal", "fp8_equal_frac"],
                         title=f"residual add + Gemma RMSNorm + FP8 quant, hidden {HIDDEN}, G {GROUP}, "

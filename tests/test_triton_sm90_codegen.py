@@ -1,0 +1,166 @@
+"""Our Triton kernels compiled for the H200 (sm_90) on a CPU machine: code generation and
+ptxas run without a GPU, so what the interpreter cannot see is checked in CI.
+
+The interpreter runs the kernels' Python, not Triton's compiler. Two GPU-only failures
+of 2026-11-30 are of the kind checked here: a runtime row stride that made the MoE down
+GEMM load its FP8 weights byte by byte (20x slower, found by the benchmark), and two
+K loops that needed 256 KB of shared memory (OutOfResources at BLOCK_M 128). Each test
+compiles one kernel configuration the GPU path launches, with the launch's
+specialization (16-byte aligned pointers and strides), and reads the PTX: weight tiles
+must arrive as 16-byte async copies, no global load may be a single byte, and shared
+memory must fit the H200's 227 KB.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="needs triton (pip install triton)")
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    pytest.skip("compiles for the GPU; the interpreter replaces the compiler", allow_module_level=True)
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - very old triton
+    pytest.skip("this triton has no ASTSource / GPUTarget to compile ahead of time", allow_module_level=True)
+
+H200 = GPUTarget("cuda", 90, 32)
+H200_SHARED_BYTES = 232448  # what the H200 reported in the OutOfResources error
+
+
+def compile_sm90(fn, signature: dict, constants: dict, aligned: list, **options):
+    """(ptx, shared bytes) of fn for sm_90; `aligned` args are specialized as 16-divisible,
+    as Triton does at launch for 16-byte aligned pointers and multiples of 16."""
+    names = fn.arg_names
+    full = {**signature, **{k: "constexpr" for k in constants}}
+    try:
+        src = ASTSource(fn=fn, signature={n: full[n] for n in names},
+                        constexprs={(names.index(k),): v for k, v in constants.items()},
+                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    except TypeError as e:  # pragma: no cover - the ahead-of-time API differs in this triton
+        pytest.skip(f"triton {triton.__version__}: ASTSource API differs ({e})")
+    kernel = triton.compile(src, target=H200, options=options)
+    return kernel.asm["ptx"], kernel.metadata.shared
+
+
+def async_copies(ptx: str) -> dict:
+    """Bytes per cp.async -> count."""
+    out: dict = {}
+    for size in re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)", ptx):
+        n = int(size, 0)
+        out[n] = out.get(n, 0) + 1
+    return out
+
+
+def byte_loads(ptx: str) -> int:
+    return len(re.findall(r"ld\.global[^;\n]*\.(?:u8|b8|s8)\b", ptx))
+
+
+# ------------------------------------------------------------------ MoE
+DOWN_SIG = {"h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w_table": "*i64", "ws_table": "*i64", "sorted_pair": "*i32",
+            "block_expert": "*i32", "topk_w": "*fp32", "y_ptr": "*bf16", "N": "i32", "n_local": "i32",
+            "num_m_blocks": "i32", "stride_h": "i32", "stride_hs": "i32", "stride_y": "i32"}
+DOWN_ALIGNED = ["h_ptr", "hs_ptr", "w_table", "ws_table", "sorted_pair", "block_expert", "topk_w", "y_ptr", "N",
+                "stride_h", "stride_y"]
+GATE_UP_SIG = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_table": "*i64", "ws_table": "*i64",
+               "width_table": "*i32", "sorted_pair": "*i32", "block_expert": "*i32", "h_ptr": "*fp8e4nv",
+               "hs_ptr": "*fp32", "top_k": "i32", "n_local": "i32", "num_m_blocks": "i32", "stride_x": "i32",
+               "stride_xs": "i32", "stride_h": "i32", "stride_hs": "i32", "alpha": "fp32", "limit": "fp32",
+               "beta": "fp32"}
+GATE_UP_ALIGNED = ["x_ptr", "xs_ptr", "w_table", "ws_table", "width_table", "sorted_pair", "block_expert", "h_ptr",
+                   "hs_ptr", "stride_x", "stride_h"]
+FP8 = dict(FP8=True, OUT_KIND=1, INTERP=False, UPCAST=False, IEEE=False, BK=128)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    import minimax_backend.kernels.moe_triton as kt
+
+    return kt
+
+
+@pytest.mark.parametrize("bm, bn, shared_width", [(16, 64, 0), (16, 64, 1536), (64, 128, 1536), (128, 128, 1536)])
+def test_moe_down_kernel_loads_weights_in_16_byte_copies(moe, bm, bn, shared_width):
+    """M3 at EP 1 (no narrower shared expert) and EP 2 (a 1536-wide shared slice: two K loops)."""
+    cfg = moe.tile_config({16: 1, 64: 4000, 128: 8192}[bm], 4, 128, True)
+    stages = moe.down_stages(cfg["num_stages"], shared_width > 0, bm, bn, 128, 1)
+    consts = dict(FP8, K=3072, K_SHARED=shared_width, SHARED=shared_width > 0, BM=bm, BN=bn)
+    ptx, shared = compile_sm90(moe._down_kernel, DOWN_SIG, consts, DOWN_ALIGNED, num_warps=cfg["num_warps"],
+                               num_stages=stages)
+    copies = async_copies(ptx)
+    assert copies.get(16, 0) > 0 and set(copies) == {16}, copies
+    assert byte_loads(ptx) == 0
+    assert shared <= H200_SHARED_BYTES
+
+
+def test_down_stages_keep_two_k_loops_in_shared_memory(moe):
+    """The uncapped pipeline needs more than the H200 has (what failed on the GPU); the cap fits."""
+    consts = dict(FP8, K=3072, K_SHARED=1536, SHARED=True, BM=128, BN=128)
+    _, uncapped = compile_sm90(moe._down_kernel, DOWN_SIG, consts, DOWN_ALIGNED, num_warps=8, num_stages=4)
+    assert uncapped > H200_SHARED_BYTES
+    stages = moe.down_stages(4, True, 128, 128, 128, 1)
+    _, capped = compile_sm90(moe._down_kernel, DOWN_SIG, consts, DOWN_ALIGNED, num_warps=8, num_stages=stages)
+    assert stages < 4 and capped <= H200_SHARED_BYTES
+
+
+@pytest.mark.parametrize("bm", [16, 128])
+def test_moe_gate_up_kernel_loads_weights_in_16_byte_copies(moe, bm):
+    cfg = moe.tile_config({16: 1, 128: 8192}[bm], 4, 128, True)
+    consts = dict(FP8, K=6144, ACT=0, BM=bm, BN=128)
+    ptx, shared = compile_sm90(moe._gate_up_act_kernel, GATE_UP_SIG, consts, GATE_UP_ALIGNED,
+                               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    copies = async_copies(ptx)
+    assert copies.get(16, 0) > 0 and set(copies) == {16}, copies
+    assert byte_loads(ptx) == 0
+    assert shared <= H200_SHARED_BYTES
+
+
+def test_moe_route_and_alignment_kernels_compile(moe):
+    from minimax_backend.kernels import moe_align_triton as al
+    from minimax_backend.kernels import moe_route_triton as rt
+
+    compile_sm90(rt._select_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32",
+                                     "E": "i32", "stride_l": "i32", "scaling": "fp32"},
+                 dict(HAS_BIAS=True, NORM=True, K=4, BE=128), ["logits_ptr", "bias_ptr", "ids_ptr", "w_ptr"],
+                 num_warps=1)
+    compile_sm90(al._align_kernel, {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32",
+                                    "pair_row_ptr": "*i32", "expert_offset": "i32", "shared_id": "i32"},
+                 dict(PAIRS=5, N_LOCAL=129, ROUTED=128, NB=256, BM=16, MAX_ROWS=1936, MAX_BLOCKS=121, CHUNK=64,
+                      FILL=1024), ["ids_ptr", "sorted_pair_ptr", "block_expert_ptr", "pair_row_ptr"], num_warps=4)
+
+
+# ------------------------------------------------------------ norm + quant
+NORM_SIG = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+            "y_ptr": "*bf16", "r_ptr": "*bf16", "M": "i32", "K_f": "fp32", "n_groups": "i32", "stride_x": "i32",
+            "stride_res": "i32", "stride_q": "i32", "stride_s": "i32", "stride_y": "i32", "stride_r": "i32",
+            "eps": "fp32"}
+NORM_ALIGNED = ["x_ptr", "res_ptr", "w_ptr", "q_ptr", "s_ptr", "y_ptr", "r_ptr", "stride_x", "stride_res",
+                "stride_q", "stride_y", "stride_r"]
+
+
+@pytest.mark.parametrize("split, want_y, gemma, rows", [(False, False, True, 1), (True, False, True, 1),
+                                                        (True, True, False, 2), (False, True, False, 2)])
+def test_norm_quant_kernel_compiles_with_vector_accesses(split, want_y, gemma, rows):
+    """Hidden 6144, G 128: one padded tile or two exact ones (32 + 16 groups)."""
+    from minimax_backend.kernels import norm_quant_triton as nq
+
+    ng, ng_b = nq.tile_groups(48, split)
+    consts = dict(G=128, NG=ng, NG_B=ng_b, ROWS=rows, HAS_RESIDUAL=True, GEMMA=gemma, WANT_Y=want_y,
+                  ROUND_BF16=True, NORM=True)
+    ptx, _ = compile_sm90(nq._rms_norm_quant_fp8_kernel, NORM_SIG, consts, NORM_ALIGNED, num_warps=4)
+    assert byte_loads(ptx) == 0
+    assert re.search(r"ld\.global[^;\n]*\.v[24]", ptx), "bf16 rows are not loaded as vectors"
+
+
+def test_quantize_only_kernel_compiles():
+    from minimax_backend.kernels import norm_quant_triton as nq
+
+    consts = dict(G=128, NG=64, NG_B=0, ROWS=1, HAS_RESIDUAL=False, GEMMA=False, WANT_Y=False, ROUND_BF16=False,
+                  NORM=False)
+    ptx, _ = compile_sm90(nq._rms_norm_quant_fp8_kernel, NORM_SIG, consts, NORM_ALIGNED, num_warps=4)
+    assert byte_loads(ptx) == 0
