@@ -152,7 +152,7 @@ if HAVE_TRITON:
     @triton.jit
     def _fp8_block_gemm_kernel(
         a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,
-        M, N, K,
+        M, N, K: tl.constexpr,  # constexpr: a runtime loop bound fails triton 3.6's interpreter with numpy 2
         stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
         G: tl.constexpr,
         BLOCK_M: tl.constexpr,

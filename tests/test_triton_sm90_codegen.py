@@ -164,3 +164,20 @@ def test_quantize_only_kernel_compiles():
                   NORM=False)
     ptx, _ = compile_sm90(nq._rms_norm_quant_fp8_kernel, NORM_SIG, consts, NORM_ALIGNED, num_warps=4)
     assert byte_loads(ptx) == 0
+
+
+@pytest.mark.parametrize("m", [16, 4096])
+def test_fp8_block_gemm_fallback_kernel_compiles(m):
+    """The Triton FP8 block GEMM (fallback where torch._scaled_mm blockwise is unavailable), o_proj at TP 2."""
+    from minimax_backend.kernels import fp8_gemm_cuda as fg
+
+    cfg = fg._triton_config(m, 128)
+    launch = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
+    sig = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32",
+           "M": "i32", "N": "i32", "stride_am": "i32", "stride_bn": "i32", "stride_cm": "i32", "stride_asm": "i32",
+           "stride_bsn": "i32"}
+    ptx, shared = compile_sm90(fg._fp8_block_gemm_kernel, sig, dict(K=4096, G=128, **cfg),
+                               ["a_ptr", "b_ptr", "c_ptr", "as_ptr", "bs_ptr", "N", "stride_am", "stride_bn",
+                                "stride_cm"], **launch)
+    assert byte_loads(ptx) == 0
+    assert shared <= H200_SHARED_BYTES
