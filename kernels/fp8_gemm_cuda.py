@@ -35,6 +35,8 @@ import os
 
 import torch
 
+from .interpreter import triton_interpreting
+
 try:
     import triton
     import triton.language as tl
@@ -220,7 +222,7 @@ def fp8_block_gemm_triton(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     cfg = {**_triton_config(m, group), **(config or {})}
     launch = {k_: cfg.pop(k_) for k_ in ("num_warps", "num_stages") if k_ in cfg}
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if triton_interpreting():
         launch = {}
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _fp8_block_gemm_kernel[grid](

@@ -26,6 +26,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .interpreter import triton_interpreting
+
 try:
     import triton
     import triton.language as tl
@@ -48,8 +50,7 @@ def route_mode() -> str:
 
 
 def route_fits(x: torch.Tensor, num_experts: int, top_k: int) -> bool:
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return (HAVE_TRITON and (x.is_cuda or interpreting) and x.shape[0] > 0
+    return (HAVE_TRITON and (x.is_cuda or triton_interpreting()) and x.shape[0] > 0
             and 0 < top_k <= num_experts <= MAX_EXPERTS)
 
 

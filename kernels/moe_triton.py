@@ -60,6 +60,7 @@ from typing import Optional
 import torch
 
 from .fp8 import FP8_DTYPE
+from .interpreter import triton_interpreting as _interpreting
 from .moe import MoEWeights, gated_mlp
 
 try:  # optional: CPU installs use the reference only
@@ -75,8 +76,6 @@ __all__ = ["HAVE_TRITON", "Alignment", "align_by_expert", "grouped_gated_mlp", "
            "single_expert_alignment", "tile_config"]
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 _ACT = {"swigluoai": 0, "silu": 1}
@@ -154,6 +153,20 @@ _ALIGN_MODES = ("torch", "triton")
 _SINGLE: dict = {}
 
 
+def _cached(cache: dict, key, make, device: torch.device, limit: int = 256):
+    """cache[key], made by make() on a miss. Not kept when made while a CUDA graph is being
+    captured (such a tensor holds its data only in the graph's replays); the cache is
+    emptied past `limit` entries (keys are token counts or weight addresses)."""
+    value = cache.get(key)
+    if value is None:
+        value = make()
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(cache) >= limit:
+                cache.clear()
+            cache[key] = value
+    return value
+
+
 def _align(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int, shared_id: int = -2) -> Alignment:
     """align_by_expert, or the same layout from one Triton program at decode sizes.
 
@@ -177,26 +190,20 @@ def single_expert_alignment(tokens: int, block_m: int, device: torch.device) -> 
     rows in token order, so it depends on the token count only and is built once.
 
     Equal to align_by_expert(zeros(tokens, 1), 0, 1, block_m) without its ~40 launches
-    per call. Not cached while a CUDA graph is being captured (a tensor made during
-    capture holds data only in replays)."""
-    key = (tokens, block_m, device.type, device.index)
-    al = _SINGLE.get(key)
-    if al is None:
+    per call."""
+
+    def make() -> Alignment:
         max_rows = triton_cdiv(tokens + block_m - 1, block_m) * block_m
         rows = torch.arange(max_rows, dtype=torch.int32, device=device)
-        al = Alignment(
+        return Alignment(
             sorted_pair=torch.where(rows < tokens, rows, torch.full_like(rows, -1)),
             block_expert=torch.where(torch.arange(max_rows // block_m, device=device) * block_m < tokens,
                                      0, 1).to(torch.int32),
             pair_row=rows[:tokens].clone(),
             block_m=block_m,
         )
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            if len(_SINGLE) > 256:
-                _SINGLE.clear()
-            _SINGLE[key] = al
-    return al
+
+    return _cached(_SINGLE, (tokens, block_m, device.type, device.index), make, device)
 
 
 # ------------------------------------------------------------ pointer tables
@@ -205,19 +212,17 @@ _TABLES: dict = {}
 
 def _table(tensors) -> torch.Tensor:
     """int64 device tensor of the tensors' addresses, cached by address (stable weights)."""
-    key = tuple((t.data_ptr(), t.device.type, t.device.index) for t in tensors)
-    tab = _TABLES.get(key)
-    if tab is None:
+
+    def make() -> torch.Tensor:
         for t in tensors:
             if not t.is_contiguous():
                 raise ValueError("grouped MoE kernels need contiguous expert weights")
             if t.data_ptr() % 16:
                 raise ValueError("grouped MoE kernels need 16-byte aligned expert weights (the kernels assume it)")
-        tab = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
-        if len(_TABLES) > 4096:
-            _TABLES.clear()
-        _TABLES[key] = tab
-    return tab
+        return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
+
+    key = tuple((t.data_ptr(), t.device.type, t.device.index) for t in tensors)
+    return _cached(_TABLES, key, make, tensors[0].device, limit=4096)
 
 
 # ------------------------------------------------------------------ kernels
@@ -260,9 +265,9 @@ if HAVE_TRITON:
     # compile per model width either way.
     @triton.jit
     def _gate_up_act_kernel(
-        x_ptr, xs_ptr, w_table, ws_table, width_table, sorted_pair, block_expert, h_ptr, hs_ptr,
-        K: tl.constexpr, top_k, n_local, num_m_blocks, stride_x, stride_xs, stride_h, stride_hs,
-        alpha, limit, beta,
+        x_ptr, xs_ptr, w_table, ws_table, sorted_pair, block_expert, h_ptr, hs_ptr,
+        K: tl.constexpr, N, N_SHARED, top_k, n_local, num_m_blocks, stride_x, stride_xs, stride_h, stride_hs,
+        alpha, limit, beta, SHARED: tl.constexpr,
         ACT: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):
@@ -270,9 +275,11 @@ if HAVE_TRITON:
         pid_m = pid % num_m_blocks  # m fastest: the blocks of one expert share its weight tile in L2
         pid_n = pid // num_m_blocks
         e = tl.load(block_expert + pid_m)
-        # N_HALF: this expert's intermediate width (the shared expert's slice can be narrower
-        # than a routed expert); tiles past it have nothing to do
-        N_HALF = tl.load(width_table + tl.minimum(e, n_local - 1))
+        # N_HALF: this expert's intermediate width, N, or N_SHARED for the shared expert (SHARED:
+        # the last one; its slice can be narrower); tiles past it have nothing to do
+        N_HALF = N
+        if SHARED:
+            N_HALF = tl.where(e == n_local - 1, N_SHARED, N)
         if (e < n_local) & (pid_n * BN < N_HALF):
             rows = pid_m * BM + tl.arange(0, BM)
             pair = tl.load(sorted_pair + rows)
@@ -470,36 +477,16 @@ def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
 
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_WIDTHS: dict = {}
 _SHARED_COLUMNS: dict = {}
-
-
-def _width_table(widths: tuple, device: torch.device) -> torch.Tensor:
-    """int32 device tensor of the experts' intermediate widths (cached: graph capture finds it ready)."""
-    key = (widths, device.type, device.index)
-    tab = _WIDTHS.get(key)
-    if tab is None:
-        tab = torch.tensor(widths, dtype=torch.int32, device=device)
-        if len(_WIDTHS) > 256:
-            _WIDTHS.clear()
-        _WIDTHS[key] = tab
-    return tab
 
 
 def _shared_column(tokens: int, expert: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared expert as one more routing slot: (ids [T, 1] = expert, weights [T, 1] = 1).
 
-    Cached per token count like single_expert_alignment (not while a graph is captured)."""
-    key = (tokens, expert, device.type, device.index)
-    col = _SHARED_COLUMNS.get(key)
-    if col is None:
-        col = (torch.full((tokens, 1), expert, dtype=torch.int64, device=device),
-               torch.ones(tokens, 1, dtype=torch.float32, device=device))
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            if len(_SHARED_COLUMNS) > 256:
-                _SHARED_COLUMNS.clear()
-            _SHARED_COLUMNS[key] = col
-    return col
+    Cached per token count like single_expert_alignment."""
+    return _cached(_SHARED_COLUMNS, (tokens, expert, device.type, device.index),
+                   lambda: (torch.full((tokens, 1), expert, dtype=torch.int64, device=device),
+                            torch.ones(tokens, 1, dtype=torch.float32, device=device)), device)
 
 
 def down_stages(stages: int, two_loops: bool, bm: int, bn: int, bk: int, elem_bytes: int) -> int:
@@ -542,7 +529,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     n_local = len(w13)
     n = w2[0].shape[1]
     fp8 = bool(w13_scale)
-    widths = (n,) * n_local
+    n_shared = n
     if shared is not None:
         if single_expert:
             raise ValueError("grouped_gated_mlp: single_expert and shared exclude each other")
@@ -558,11 +545,12 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w13, w2 = [*w13, sh_w13], [*w2, sh_w2]
         if fp8:
             w13_scale, w2_scale = [*w13_scale, sh_w13_s], [*w2_scale, sh_w2_s]
-        widths = widths + (sh_w2.shape[1],)
+        n_shared = sh_w2.shape[1]
     k = ids.shape[1]
+    routed_k = k - (shared is not None)
     n_experts = len(w13)
-    n_max = max(widths)
-    cfg = config or tile_config(t, k - (shared is not None), num_experts, fp8, float32=x.dtype == torch.float32)
+    n_max = max(n, n_shared)
+    cfg = config or tile_config(t, routed_k, num_experts, fp8, float32=x.dtype == torch.float32)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     bn_down = cfg.get("BN_DOWN", bn)
     launch = {kk: cfg[kk] for kk in ("num_warps", "num_stages") if kk in cfg}
@@ -583,7 +571,6 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     num_m = used_blocks(al, ids.numel())
     rows = num_m * bm
     dev = x.device
-    width_t = _width_table(widths, dev)
     if fp8:
         from .fp8 import quantize_fp8_reference
         from .norm_quant_triton import quantize_fp8_triton
@@ -604,28 +591,28 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w13_t = ws13_t = _table(w13)
         w2_t = ws2_t = _table(w2)
     _gate_up_act_kernel[(num_m * triton.cdiv(n_max, bn),)](
-        xq, xs, w13_t, ws13_t, width_t, al.sorted_pair, al.block_expert, h, hs,
-        hidden, k, n_experts, num_m, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
-        float(alpha), float(limit), float(beta),
+        xq, xs, w13_t, ws13_t, al.sorted_pair, al.block_expert, h, hs,
+        hidden, n, n_shared, k, n_experts, num_m, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
+        float(alpha), float(limit), float(beta), shared is not None,
         ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch,
     )
     y = torch.empty(rows, hidden, dtype=out_dt, device=dev)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
     down_launch = dict(launch)
     if "num_stages" in down_launch:
-        down_launch["num_stages"] = down_stages(down_launch["num_stages"], shared is not None and widths[-1] != n,
+        down_launch["num_stages"] = down_stages(down_launch["num_stages"], n_shared != n,
                                                 bm, bn_down, bk, 1 if fp8 else x.element_size())
     _down_kernel[(num_m * triton.cdiv(hidden, bn_down),)](
         h, hs, w2_t, ws2_t, al.sorted_pair, al.block_expert, tw, y,
         hidden, n_experts, num_m, h.stride(0), hs.stride(0), y.stride(0),
-        K=n, K_SHARED=widths[-1] if shared is not None else 0, SHARED=shared is not None,
+        K=n, K_SHARED=n_shared, SHARED=shared is not None,
         FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn_down, BK=bk,
         **down_launch,
     )
     out = torch.empty(t, hidden, dtype=out_dt if shared is not None else torch.float32, device=dev)
     cb = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)
     _combine_kernel[(t, triton.cdiv(hidden, cb))](
-        y, al.pair_row, out, hidden, k - (shared is not None), y.stride(0), out.stride(0),
+        y, al.pair_row, out, hidden, routed_k, y.stride(0), out.stride(0),
         SHARED=shared is not None, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, BN=cb)
     return out
 

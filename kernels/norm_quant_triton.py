@@ -39,12 +39,12 @@ to a power of two), only for float32 y, with odds of about 2**-22 per group.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 from .fp8 import FP8_DTYPE
+from .interpreter import triton_interpreting as _interpreting
 
 try:  # Triton is optional: CPU installs without it use the reference only.
     import triton
@@ -62,8 +62,6 @@ __all__ = ["HAVE_TRITON", "supported", "rms_norm_quant_fp8_triton", "quantize_fp
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def supported(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, group_size: int) -> bool:

@@ -68,12 +68,12 @@ DOWN_SIG = {"h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w_table": "*i64", "ws_table
 DOWN_ALIGNED = ["h_ptr", "hs_ptr", "w_table", "ws_table", "sorted_pair", "block_expert", "topk_w", "y_ptr", "N",
                 "stride_h", "stride_y"]
 GATE_UP_SIG = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_table": "*i64", "ws_table": "*i64",
-               "width_table": "*i32", "sorted_pair": "*i32", "block_expert": "*i32", "h_ptr": "*fp8e4nv",
-               "hs_ptr": "*fp32", "top_k": "i32", "n_local": "i32", "num_m_blocks": "i32", "stride_x": "i32",
+               "sorted_pair": "*i32", "block_expert": "*i32", "h_ptr": "*fp8e4nv", "hs_ptr": "*fp32",
+               "N": "i32", "N_SHARED": "i32", "top_k": "i32", "n_local": "i32", "num_m_blocks": "i32", "stride_x": "i32",
                "stride_xs": "i32", "stride_h": "i32", "stride_hs": "i32", "alpha": "fp32", "limit": "fp32",
                "beta": "fp32"}
-GATE_UP_ALIGNED = ["x_ptr", "xs_ptr", "w_table", "ws_table", "width_table", "sorted_pair", "block_expert", "h_ptr",
-                   "hs_ptr", "stride_x", "stride_h"]
+GATE_UP_ALIGNED = ["x_ptr", "xs_ptr", "w_table", "ws_table", "sorted_pair", "block_expert", "h_ptr", "hs_ptr",
+                   "N", "N_SHARED", "stride_x", "stride_h"]
 FP8 = dict(FP8=True, OUT_KIND=1, INTERP=False, UPCAST=False, IEEE=False, BK=128)
 
 
@@ -108,10 +108,10 @@ def test_down_stages_keep_two_k_loops_in_shared_memory(moe):
     assert stages < 4 and capped <= H200_SHARED_BYTES
 
 
-@pytest.mark.parametrize("bm", [16, 128])
-def test_moe_gate_up_kernel_loads_weights_in_16_byte_copies(moe, bm):
+@pytest.mark.parametrize("bm, shared", [(16, False), (16, True), (128, True)])
+def test_moe_gate_up_kernel_loads_weights_in_16_byte_copies(moe, bm, shared):
     cfg = moe.tile_config({16: 1, 128: 8192}[bm], 4, 128, True)
-    consts = dict(FP8, K=6144, ACT=0, BM=bm, BN=128)
+    consts = dict(FP8, K=6144, ACT=0, BM=bm, BN=128, SHARED=shared)
     ptx, shared = compile_sm90(moe._gate_up_act_kernel, GATE_UP_SIG, consts, GATE_UP_ALIGNED,
                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     copies = async_copies(ptx)

@@ -91,7 +91,7 @@ def job(rank: int, world: int, args) -> None:
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState
     from minimax_backend.tools.bench_common import fast_random_weights, median_ms, write_json
-    from minimax_backend.tools.run_job import _sync, compare_logits
+    from minimax_backend.tools.run_job import compare_logits, sync_device
 
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
@@ -129,10 +129,10 @@ def job(rank: int, world: int, args) -> None:
             reference = None
             for name, fn in variants.items():
                 n_reports = len(compile_reports())
-                _sync(device)
+                sync_device(device)
                 t0 = time.perf_counter()
                 out = _logits(fn(ids, pos))
-                _sync(device)
+                sync_device(device)
                 first = time.perf_counter() - t0
                 if name == "eager":
                     reference = out.clone()

@@ -54,7 +54,7 @@ class Progress:
             print(f"[minimax {time.perf_counter() - self.start:6.1f}s] {message}", flush=True)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -63,10 +63,10 @@ def _timed(fn, device: torch.device, repeats: int) -> tuple[Any, float]:
     """Run fn `repeats` times; return the last result and the median seconds."""
     times, out = [], None
     for _ in range(repeats):
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         out = fn()
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - t0)
     return out, statistics.median(times)
 
@@ -161,7 +161,7 @@ def run_job(rank: int, world_size: int, args: RunArgs) -> None:
         progress("compiling (capture, passes, code generation)")
         t0 = time.perf_counter()
         compiled_out = _logits_of(compiled(input_ids, positions))
-        _sync(device)
+        sync_device(device)
         timings["compile_and_first_run"] = time.perf_counter() - t0
         report = last_compile_report()
         progress(f"compiled in {timings['compile_and_first_run']:.1f}s")
