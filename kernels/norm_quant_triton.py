@@ -89,18 +89,22 @@ def tile_groups(n_groups: int, split: bool) -> tuple[int, int]:
     return (first, rest) if rest & (rest - 1) == 0 else (one, 0)
 
 
-def launch_config(k: int, group_size: int, m: int) -> dict:
-    """Rows per program, warps and tiles for a row of K values (a heuristic; the benchmark sweeps)."""
+def launch_config(k: int, group_size: int, m: int, allow_split: bool = True) -> dict:
+    """Rows per program, warps and tiles for a row of K values (a heuristic; the benchmark sweeps).
+    allow_split=False: for a launch that always uses one tile (quantize-only)."""
     ng = triton.next_power_of_2(k // group_size)
     tile = ng * group_size
     rows = max(1, min(16, 2048 // tile))  # narrow rows: several per program
     warps = 1 if tile <= 256 else 2 if tile <= 512 else 4 if tile <= 2048 else 8 if tile <= 8192 else 16
-    if 2048 < tile <= 8192 and m >= 4096:
-        # measured on the H200 at hidden 6144 (CUDA-graph replays, 2026-11-30): 4 warps
-        # beat 8 by 8-9% at M = 4096-16384 (82-89% of the copy bandwidth)
+    # Two exact tiles instead of one padded one where the group count allows (6144 = 32 + 16
+    # groups): measured on the H200 at hidden 6144, 2026-11-30, 8 warps, one row per program:
+    # 0.050 / 0.094 / 0.182 ms at M = 4096 / 8192 / 16384 against 0.055 / 0.101 / 0.196 for
+    # the best one-tile launch (tools/results/2026-11-30_h200_norm_quant_split.json).
+    split = allow_split and tile_groups(k // group_size, True)[1] > 0
+    if not split and 2048 < tile <= 8192 and m >= 4096:
+        # one padded tile: 4 warps beat 8 by 8-9% at M = 4096-16384 (same card and day)
         warps = 4
-    # SPLIT: two exact tiles instead of one padded tile; not yet measured on the H200, so off
-    return {"ROWS": rows, "NG": ng, "num_warps": warps, "SPLIT": False}
+    return {"ROWS": rows, "NG": ng, "num_warps": warps, "SPLIT": split}
 
 
 if HAVE_TRITON:
@@ -297,7 +301,7 @@ def quantize_fp8_triton(x: torch.Tensor, group_size: int = 128, num_warps: int |
     m = x2.shape[0]
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, k // group_size), dtype=torch.float32, device=x.device)
-    cfg = launch_config(k, group_size, m)
+    cfg = launch_config(k, group_size, m, allow_split=False)
     if m > 0:
         _rms_norm_quant_fp8_kernel[(triton.cdiv(m, cfg["ROWS"]),)](
             x2, x2, x2, q, s, q, q,

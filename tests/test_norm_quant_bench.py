@@ -26,7 +26,7 @@ def test_bench_dry_run(tmp_path):
     data = json.loads(out.read_text())
     assert {"kernel", "gemm", "allgather", "copy_bandwidth_GBs", "hardware"} <= set(data)
     k = data["kernel"][0]
-    assert k["scales_equal"] and k["residual_equal"] and k["split_equal"]
+    assert k["scales_equal"] and k["residual_equal"] and k["other_layout_scales_equal"]
     assert any("split=True" in name for name in k["sweep_ms"])
     assert isinstance(data["gemm"][0]["triton_ms"], float)
     ag = data["allgather"][0]

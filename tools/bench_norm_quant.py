@@ -133,9 +133,12 @@ def part_kernel(args, median_ms, bw) -> list[dict]:
         row["residual_equal"] = bool(torch.equal(out[3], ref[3]))
         row["fp8_equal_frac"] = float((out[0].view(torch.uint8) == ref[0].view(torch.uint8)).float().mean())
         row["fused_ms"] = median_ms(lambda: fused(), args.warmup, args.repeats)
-        split_out = fused(split=True)  # the two-tile layout must give the same bytes
-        row["split_equal"] = all(bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
-                                 for a, b in zip(split_out, out) if a.numel())
+        # The other tile layout against the same reference (not against `out` bit for bit: on
+        # the GPU the sum of squares is reduced in a different order, so a rare last-bit change
+        # of the norm can move an FP8 rounding; the exact-sum GPU test checks bit equality).
+        other = fused(split=not launch_config(HIDDEN, GROUP, m)["SPLIT"])
+        row["other_layout_scales_equal"] = bool(torch.equal(other[1], ref[1]))
+        row["other_layout_fp8_equal_frac"] = float((other[0].view(torch.uint8) == ref[0].view(torch.uint8)).float().mean())
         sweep = {}
         for split in (False, True):
             for nw in (2, 4, 8, 16):
@@ -300,9 +303,9 @@ def job(rank: int, world: int, args) -> None:
         if "kernel" in args.parts:
             rows = part_kernel(args, kernel_ms, bw)
             payload["kernel"] = rows
-            print_table(rows, ["M", "MB_moved", "fused_ms", "fused_best_ms", "best_warps", "best_rows", "best_split", "split_equal", "eager_ms", "inductor_ms",
+            print_table(rows, ["M", "MB_moved", "fused_ms", "fused_best_ms", "best_warps", "best_rows", "best_split", "eager_ms", "inductor_ms",
                                "fused_bw_frac", "inductor_bw_frac", "speedup_vs_eager", "speedup_vs_inductor",
-                               "scales_equal", "fp8_equal_frac"],
+                               "scales_equal", "fp8_equal_frac", "other_layout_fp8_equal_frac"],
                         title=f"residual add + Gemma RMSNorm + FP8 quant, hidden {HIDDEN}, G {GROUP}, "
                               f"medians of {args.repeats}")
         if "gemm" in args.parts:
