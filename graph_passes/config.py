@@ -51,10 +51,11 @@ class BackendConfig:
     moe_lower: str = _mode(doc="minimax::moe -> MegaMoE (dispatch, expert GEMMs, combine)")
 
     # Fused GEMM-RS only at or above this many tokens (matmul + RS below).
-    # Measured on 2 x H200, 2026-11-30 (tools/bench_gemm_rs.py): ours beats
-    # matmul + NCCL reduce-scatter from M = 256 (BF16) and M = 512-1024 (FP8)
-    # on; 1024 is the largest of those, so the fused path is never slower.
-    gemm_rs_min_tokens: int = 1024
+    # Measured on 2 x H200, 2026-11-30 (tools/bench_gemm_rs.py, graphs of 10
+    # calls): ours beats matmul + NCCL reduce-scatter from M = 512 on at every
+    # K in {2048, 4096, 6144}, BF16 and FP8 (1.13-1.43x at 512; at 256 FP8
+    # K = 6144 was 0.94x), so the fused path is never slower from here on.
+    gemm_rs_min_tokens: int = 512
     # Sequence parallelism (auto) only at or above this many tokens. Measured on
     # 2 x H200, 2026-11-30 (tools/bench_e2e.py): it cost 10% of a decode step at
     # 16 tokens (4.33 vs 3.89 ms) and was neutral at 8192 (57.11 vs 57.18 ms);

@@ -62,7 +62,22 @@ def _choice() -> str:
 
 
 def fp8_block_gemm_cuda(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
-                        out_dtype: torch.dtype) -> torch.Tensor:
+                        out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out: a contiguous [M, N] tensor of out_dtype to write into (cuBLAS writes it directly
+    where it can, which saves GEMM-RS a copy per row block); returned."""
+    if out is not None:
+        if xq.dim() != 2 or out.shape != (xq.shape[0], w.shape[0]) or out.dtype != out_dtype or not out.is_contiguous():
+            raise ValueError(f"fp8_block_gemm_cuda: out must be a contiguous [{xq.shape[0]}, {w.shape[0]}] "
+                             f"{out_dtype} tensor for a 2-D input, got {tuple(out.shape)} {out.dtype}")
+        k = xq.shape[1]
+        direct = (xq.shape[0] % 4 == 0 and _choice() != "triton" and scaled_mm_supports(xq.shape[0], k, k // xs.shape[1])
+                  and (k // xs.shape[1], k % 16, w.shape[0] % 16, (k // WEIGHT_BLOCK) % 4) not in _SCALED_MM_BROKEN)
+        if direct:
+            try:
+                return _scaled_mm_blockwise(xq, xs, w, ws, out_dtype, out=out)
+            except (RuntimeError, ValueError):
+                pass  # the call below finds the backend (and remembers a broken shape class)
+        return out.copy_(fp8_block_gemm_cuda(xq, xs, w, ws, out_dtype))
     k = xq.shape[-1]
     group = k // xs.shape[-1]
     lead = xq.shape[:-1]
@@ -128,7 +143,7 @@ def fp8_block_gemm_scaled_mm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor,
     return _scaled_mm_blockwise(a4, sa4, w, ws, out_dtype)[:m]
 
 
-def _scaled_mm_blockwise(a, sa, w, ws, out_dtype):
+def _scaled_mm_blockwise(a, sa, w, ws, out_dtype, out=None):
     global _PAD_WEIGHT_SCALES
     m = a.shape[0]
     # 1 x 128 activation scales, M-major: shape [M, K/128], strides (1, M)
@@ -138,14 +153,15 @@ def _scaled_mm_blockwise(a, sa, w, ws, out_dtype):
     last = None
     for padded in layouts:
         try:
-            out = torch._scaled_mm(a.contiguous(), b, scale_a=sa_mmajor,
-                                   scale_b=_weight_scales_for_cublas(ws, padded), out_dtype=out_dtype)
+            y = torch._scaled_mm(a.contiguous(), b, scale_a=sa_mmajor,
+                                 scale_b=_weight_scales_for_cublas(ws, padded), out_dtype=out_dtype,
+                                 **({} if out is None else {"out": out}))
         except (RuntimeError, ValueError) as e:  # the layout of scale_b differs across torch versions
             last = e
             continue
         if ws.shape[1] % 4:  # (with K/128 a multiple of 4 both layouts are the same)
             _PAD_WEIGHT_SCALES = padded
-        return out
+        return y
     raise RuntimeError(f"torch._scaled_mm blockwise failed for M={m}, N={w.shape[0]}, K={a.shape[1]}: {last}")
 
 

@@ -90,18 +90,13 @@ def local_gemm(
     """This rank's partial sum ``x @ weight.T (+ bias)``: the GEMM both paths share.
 
     BF16 uses ``aten.mm`` / ``aten.addmm`` exactly as the graph did. FP8 uses
-    ``minimax::fp8_block_gemm`` on CPU (the reference) and, on CUDA,
-    ``gemm_rs_cuda.fp8_gemm`` (cuBLAS block-scaled ``_scaled_mm`` where it
-    applies, else the same reference op).
+    ``minimax::fp8_block_gemm`` (the reference on CPU; on CUDA its kernel,
+    kernels/fp8_gemm_cuda.py: cuBLAS block-scaled ``_scaled_mm`` where it
+    applies, else Triton).
     """
     if x_scale is None:
         return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias.reshape(-1), x, weight.t())
-    if x.is_cuda:
-        from .gemm_rs_cuda import fp8_gemm
-
-        y = fp8_gemm(x, x_scale, weight, weight_scale, out_dtype)
-    else:
-        y = torch.ops.minimax.fp8_block_gemm(x, x_scale, weight, weight_scale, out_dtype)
+    y = torch.ops.minimax.fp8_block_gemm(x, x_scale, weight, weight_scale, out_dtype)
     return y if bias is None else y + bias.reshape(-1).to(y.dtype)
 
 

@@ -6,9 +6,10 @@ Every rank holds a symmetric-memory buffer ``sym [W, m, N]``: slot s receives
 rank s's partial sum of the rows this rank owns. One call, on rank r:
 
     barrier (side stream)                    every peer finished reading its slots
-    for d in r+1, r+2, ..., r+W-1, r (mod W):    peers first, own rows last
-        GEMM rows of d          -> stage[d]      (main stream)
-        copy stage[d] -> rank d's sym[r]          (side stream, copy engine)
+    for d in r+1, r+2, ..., r+W-1 (mod W):       peers first, own rows last
+        for each piece of d's rows:               (push_pieces: 2 at K <= 2048, else 1)
+            GEMM the piece      -> stage[d]      (main stream, cuBLAS writes in place)
+            copy it -> rank d's sym[r]            (side stream, copy engine)
                                                   ... while the next GEMM runs
     own rows: GEMM straight into sym[r]
     join side stream; barrier                every peer's pushes into sym have landed
@@ -21,6 +22,12 @@ from the GEMM, and no NVLink multicast / multimem instruction is used
 unless the caller set it). Every step is a stream operation (GEMM, event
 waits, memcpy, symmetric-memory barrier kernel, reduction), so the whole op
 can be captured in a CUDA graph.
+
+Pieces: with two ranks the one peer block is half the GEMM, and its push
+(about 67 us for 2048 x 6144 BF16 at ~375 GB/s) can outlast the own-rows
+GEMM that hides it (52 us at K = 2048 in FP8); pushing the block in two
+pieces starts the transfer earlier (at K <= 2048, where that was measured
+faster). ``MINIMAX_GEMM_RS_PIECES`` overrides the count.
 
 Buffers: one workspace per (device, group, rows per rank, N, dtype),
 allocated and rendezvoused on first use (a collective: all ranks call the op
@@ -50,9 +57,14 @@ import torch
 
 log = logging.getLogger("minimax")
 
-__all__ = ["fused_available", "gemm_rs_fused", "prepare", "fp8_gemm", "workspace_count"]
+__all__ = ["fused_available", "gemm_rs_fused", "prepare", "push_pieces", "piece_bounds", "workspace_count"]
 
 DISABLE_ENV = "MINIMAX_GEMM_RS_FUSED"  # "0": always matmul + reduce-scatter
+PIECES_ENV = "MINIMAX_GEMM_RS_PIECES"  # pieces per peer block (default: push_pieces)
+DEFAULT_PIECES = 2  # for K <= SMALL_K (see push_pieces)
+SMALL_K = 2048
+MIN_PIECE_ROWS = 512  # smaller GEMMs lose more efficiency than an earlier push gains
+PIECE_ALIGN = 128  # piece boundaries on whole GEMM tiles (and FP8 scale rows in multiples of 4)
 
 
 # ---------------------------------------------------------------- workspaces
@@ -177,6 +189,8 @@ def fused_available(group_name: str) -> bool:
     if ok is not None:
         return ok
     why = None
+    if os.environ.get(DISABLE_ENV, "1") not in ("0", "1"):
+        raise ValueError(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r}: use 1 (overlapped path, the default) or 0")
     if os.environ.get(DISABLE_ENV, "1") == "0":
         why = f"{DISABLE_ENV}=0"
     elif not torch.cuda.is_available():
@@ -199,8 +213,9 @@ def fused_available(group_name: str) -> bool:
 
 # ------------------------------------------------------------------- the op
 def _rows_gemm(x, weight, x_scale, weight_scale, bias, out_dtype) -> Callable[[int, int, torch.Tensor], None]:
-    """gemm(lo, hi, out): out[:hi-lo] = x[lo:hi] @ weight.T (+ bias); padding rows of out = 0."""
-    from .gemm_rs import local_gemm
+    """gemm(lo, hi, out): out[:hi-lo] = x[lo:hi] @ weight.T (+ bias); padding rows of out = 0.
+
+    Every GEMM writes its rows in place (cuBLAS `out=`), so a row block costs no extra copy."""
 
     def gemm(lo: int, hi: int, out: torch.Tensor) -> None:
         real = max(0, hi - lo)
@@ -210,7 +225,15 @@ def _rows_gemm(x, weight, x_scale, weight_scale, bias, out_dtype) -> Callable[[i
                 torch.mm(x[lo:hi], weight.t(), out=dst)
             elif x_scale is None:
                 torch.addmm(bias.reshape(-1), x[lo:hi], weight.t(), out=dst)
+            elif x.is_cuda:
+                from .fp8_gemm_cuda import fp8_block_gemm_cuda
+
+                fp8_block_gemm_cuda(x[lo:hi], x_scale[lo:hi], weight, weight_scale, out_dtype, out=dst)
+                if bias is not None:
+                    dst.add_(bias.reshape(-1).to(dst.dtype))
             else:
+                from .gemm_rs import local_gemm
+
                 dst.copy_(local_gemm(x[lo:hi], weight, x_scale[lo:hi], weight_scale, bias, out_dtype))
         if real < out.shape[0]:
             out[real:].zero_()
@@ -218,24 +241,57 @@ def _rows_gemm(x, weight, x_scale, weight_scale, bias, out_dtype) -> Callable[[i
     return gemm
 
 
-def push_partials(ws: _Workspace, gemm: Callable[[int, int, torch.Tensor], None], tokens: int) -> None:
-    """Compute every row block and send it to its owner's slot [my rank]; own block last, in place."""
+def push_pieces(rows: int, k: int) -> int:
+    """How many pieces a peer's block of `rows` rows (a GEMM over K = k) is computed and pushed in.
+
+    Two where the push can outlast the GEMM that hides it: the push takes rows x N x 2 bytes
+    at ~375 GB/s whatever K is, the GEMM shrinks with K; measured on 2 x H200 (2026-11-30,
+    bench_gemm_rs): two pieces 7-11% faster at K = 2048 (FP8, M = 4096 / 16384), mixed within
+    +-5% at K >= 4096, where one piece stays (each piece's GEMM is a little less efficient)."""
+    env = os.environ.get(PIECES_ENV)
+    if env is not None:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"{PIECES_ENV}={env!r}: use a whole number >= 1")
+        return min(int(env), max(1, rows // PIECE_ALIGN))
+    if k > SMALL_K:
+        return 1
+    return max(1, min(DEFAULT_PIECES, rows // MIN_PIECE_ROWS))
+
+
+def piece_bounds(rows: int, pieces: int) -> list[tuple[int, int]]:
+    """[(start, end)] of `pieces` near-equal runs of rows, boundaries on multiples of PIECE_ALIGN."""
+    cuts = [0] + [min(rows, round(rows * i / pieces / PIECE_ALIGN) * PIECE_ALIGN) for i in range(1, pieces)] + [rows]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def push_partials(ws: _Workspace, gemm: Callable[[int, int, torch.Tensor], None], tokens: int, k: int) -> None:
+    """Compute every peer's row block and send it, piece by piece, to its owner's slot [my rank]."""
     ws.pushes = []
-    for step in range(1, ws.world + 1):
+    pieces = piece_bounds(ws.rows, push_pieces(ws.rows, k))
+    for step in range(1, ws.world):
         d = (ws.rank + step) % ws.world
-        lo, hi = d * ws.rows, min((d + 1) * ws.rows, tokens)
-        if d == ws.rank:
-            gemm(lo, hi, ws.sym[ws.rank])
-            continue
-        gemm(lo, hi, ws.stage[d])
-        ws.fork()
-        with ws.side():
-            ws.peers[d][ws.rank].copy_(ws.stage[d], non_blocking=True)
-        ws.pushes.append((d, ws.rank))
+        lo = d * ws.rows
+        for a, b in pieces:
+            gemm(lo + a, min(lo + b, tokens), ws.stage[d, a:b])
+            ws.fork()
+            with ws.side():
+                ws.peers[d][ws.rank, a:b].copy_(ws.stage[d, a:b], non_blocking=True)
+            ws.pushes.append((d, ws.rank, a, b))
+
+
+def own_rows(ws: _Workspace, gemm: Callable[[int, int, torch.Tensor], None], tokens: int) -> None:
+    """GEMM my own rows straight into my slot (last: nothing waits for them but the sum)."""
+    lo = ws.rank * ws.rows
+    gemm(lo, min(lo + ws.rows, tokens), ws.sym[ws.rank])
 
 
 def reduce_slots(ws: _Workspace) -> torch.Tensor:
-    """Sum of the W partials of my rows (a new tensor: `sym` is reused by the next call)."""
+    """Sum of the W partials of my rows (a new tensor: `sym` is reused by the next call).
+
+    Summing each own-rows piece on the side stream while the next piece's GEMM runs was
+    measured slower on 2 x H200 (FP8 K = 6144: 340 vs 306 us at M = 4096, 1348 vs 1282 at
+    16384; tools/results/2026-11-30_h200x2_gemm_rs_sum_overlap.json): the sum does not run
+    beside cuBLAS's GEMM, and smaller GEMMs cost more. Not kept."""
     if ws.world == 2:
         return torch.add(ws.sym[0], ws.sym[1])
     return ws.sym.sum(dim=0)  # fp32 accumulation, one rounding
@@ -257,57 +313,8 @@ def gemm_rs_fused(x, weight, x_scale, weight_scale, bias, pad_rows: int, group_s
     ws.fork()
     with ws.side():
         ws.barrier()
-    push_partials(ws, gemm, tokens)
+    push_partials(ws, gemm, tokens, x.shape[1])
+    own_rows(ws, gemm, tokens)
     ws.join()
     ws.barrier()  # every peer's copies into my slots are complete
     return reduce_slots(ws)
-
-
-# ---------------------------------------------------------------- FP8 GEMM
-_SCALED_MM_OK: dict[tuple, bool] = {}
-
-
-def _scaled_mm_blockwise(xq, xs, w, ws, out_dtype):
-    # cuBLAS 1x128 (activation) x 128x128 (weight) block scaling, sm_90:
-    # scale_a [M, K/128] outer-dim-major, scale_b [K/128, N/128].
-    return torch._scaled_mm(xq, w.t(), scale_a=xs.t().contiguous().t(), scale_b=ws.t(), out_dtype=out_dtype)
-
-
-def fp8_gemm(xq, xs, w, ws, out_dtype):
-    """FP8 block GEMM on CUDA, for one row block or the whole activation.
-
-    The project's CUDA FP8 GEMM (kernels/fp8_gemm_cuda.py: blockwise
-    `_scaled_mm`, Triton fallback) when it is there. Otherwise cuBLAS
-    blockwise `_scaled_mm` where it applies (probed once per shape outside
-    CUDA-graph capture and compared with the reference; an unprobed shape
-    during capture uses the reference), else minimax::fp8_block_gemm.
-    Once minimax::fp8_block_gemm has its CUDA kernel registered, all of this
-    can become a call to the op.
-    """
-    try:
-        from .fp8_gemm_cuda import fp8_block_gemm_cuda
-    except ImportError:
-        fp8_block_gemm_cuda = None
-    if fp8_block_gemm_cuda is not None:
-        return fp8_block_gemm_cuda(xq, xs, w, ws, out_dtype)
-    m, k = xq.shape
-    n = w.shape[0]
-    fits = (
-        torch.cuda.get_device_capability(xq.device) == (9, 0)
-        and out_dtype == torch.bfloat16
-        and k % 128 == 0 and n % 128 == 0 and xs.shape[-1] == k // 128
-        and xq.is_contiguous() and w.is_contiguous() and ws.is_contiguous()
-    )
-    key = (m, n, k, xq.device.index)
-    if fits and key not in _SCALED_MM_OK and not _is_capturing():
-        try:
-            got = _scaled_mm_blockwise(xq, xs, w, ws, out_dtype)
-            want = torch.ops.minimax.fp8_block_gemm(xq[:64], xs[:64], w, ws, out_dtype)
-            err = (got[:64].float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)
-            _SCALED_MM_OK[key] = bool(err < 2e-2)
-        except RuntimeError as e:
-            log.info("minimax: blockwise _scaled_mm unavailable for %s: %s", key, e)
-            _SCALED_MM_OK[key] = False
-    if fits and _SCALED_MM_OK.get(key):
-        return _scaled_mm_blockwise(xq, xs, w, ws, out_dtype)
-    return torch.ops.minimax.fp8_block_gemm(xq, xs, w, ws, out_dtype)

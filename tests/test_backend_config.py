@@ -15,7 +15,7 @@ def test_defaults_and_sources(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     cfg = BackendConfig.from_options(None)
     assert cfg == BackendConfig()
-    assert (cfg.codegen, cfg.strict, cfg.gemm_rs_min_tokens) == ("inductor", False, 1024)
+    assert (cfg.codegen, cfg.strict, cfg.gemm_rs_min_tokens) == ("inductor", False, 512)
     assert all(cfg.mode(p) == "auto" for p in PASS_SWITCHES)
     assert BackendConfig.from_options(cfg) is cfg
     assert BackendConfig.from_options({"codegen": "fx"}).codegen == "fx"

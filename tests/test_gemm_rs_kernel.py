@@ -45,13 +45,21 @@ def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biase
                      stage=torch.full_like(syms[r], float("nan")))
         for r in range(world)
     ]
+    gemms = []
     for r, ws in enumerate(workspaces):
         gemm = gemm_rs_cuda._rows_gemm(xs[r], weights[r], None if x_scales is None else x_scales[r],
                                        None if w_scales is None else w_scales[r],
                                        None if biases is None else biases[r], dtype)
-        gemm_rs_cuda.push_partials(ws, gemm, tokens)
-        # every peer got exactly one push from this rank, into slot [r]
-        assert sorted(ws.pushes) == [(d, r) for d in range(world) if d != r]
+        gemms.append(gemm)
+        k = xs[r].shape[1]
+        gemm_rs_cuda.push_partials(ws, gemm, tokens, k)
+        # every peer got its whole block from this rank, in pieces that tile [0, rows), into slot [r]
+        pieces = gemm_rs_cuda.piece_bounds(rows, gemm_rs_cuda.push_pieces(rows, k))
+        assert sorted(ws.pushes) == [(d, r, a, b) for d in range(world) if d != r for a, b in pieces]
+        assert pieces[0][0] == 0 and pieces[-1][1] == rows and all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
+    # every rank's pushes land before any rank sums (the barrier on the GPU)
+    for ws, gemm in zip(workspaces, gemms):
+        gemm_rs_cuda.own_rows(ws, gemm, tokens)
     return [gemm_rs_cuda.reduce_slots(ws) for ws in workspaces]
 
 
@@ -78,6 +86,36 @@ def test_schedule_matches_reduce_scatter(world, tokens):
     want = _reference([torch.addmm(b, x, w.t()) for x, w, b in zip(xs, ws, bs)], tokens, world)
     for r in range(world):
         assert torch.equal(got[r], want[r])
+
+
+@pytest.mark.parametrize("pieces", ["1", "2", "3", "16"])
+@pytest.mark.parametrize("world,tokens", [(2, 2101), (3, 1537), (4, 4099)])
+def test_schedule_in_pieces_matches_reduce_scatter(monkeypatch, pieces, world, tokens):
+    """Blocks pushed in pieces (the last one partly padding rows); 16 is more than
+    fits and is capped at one piece per 128 rows."""
+    monkeypatch.setenv(gemm_rs_cuda.PIECES_ENV, pieces)
+    rows = -(-tokens // world)
+    assert len(gemm_rs_cuda.piece_bounds(rows, gemm_rs_cuda.push_pieces(rows, 16))) == min(int(pieces), rows // 128)
+    g = torch.Generator().manual_seed(tokens)
+    ints = lambda *shape: torch.randint(-3, 4, shape, generator=g).float()  # noqa: E731
+    xs = [ints(tokens, 16) for _ in range(world)]
+    ws = [ints(8, 16) for _ in range(world)]
+    got = _simulate(xs, ws, tokens, world)
+    want = _reference([x @ w.t() for x, w in zip(xs, ws)], tokens, world)
+    for r in range(world):
+        assert torch.equal(got[r], want[r]), r
+
+
+def test_default_pieces_and_bad_override(monkeypatch):
+    monkeypatch.delenv(gemm_rs_cuda.PIECES_ENV, raising=False)
+    assert gemm_rs_cuda.push_pieces(511, 2048) == 1  # below two 512-row pieces: one
+    assert gemm_rs_cuda.push_pieces(1024, 2048) == gemm_rs_cuda.DEFAULT_PIECES == 2
+    assert gemm_rs_cuda.push_pieces(8192, 4096) == 1  # the GEMM hides the whole push at larger K
+    assert gemm_rs_cuda.piece_bounds(2048, 2) == [(0, 1024), (1024, 2048)]
+    assert gemm_rs_cuda.piece_bounds(1000, 3) == [(0, 384), (384, 640), (640, 1000)]
+    monkeypatch.setenv(gemm_rs_cuda.PIECES_ENV, "0")
+    with pytest.raises(ValueError, match="MINIMAX_GEMM_RS_PIECES='0'"):
+        gemm_rs_cuda.push_pieces(4096, 2048)
 
 
 def test_schedule_fp8():
@@ -110,3 +148,10 @@ def test_cpu_never_takes_the_fused_path(monkeypatch):
     x, w = torch.randn(5, 16), torch.randn(8, 16)
     out = torch.ops.minimax.gemm_rs(x, w, None, None, None, 0, 0, 1, "unused")
     assert torch.equal(out, x @ w.t())
+
+
+def test_bad_fused_switch_is_an_error(monkeypatch):
+    monkeypatch.setenv(gemm_rs_cuda.DISABLE_ENV, "yes")
+    monkeypatch.setattr(gemm_rs_cuda, "_FUSED_OK", {})
+    with pytest.raises(ValueError, match="MINIMAX_GEMM_RS_FUSED='yes'"):
+        gemm_rs_cuda.fused_available("any-group")

@@ -8,13 +8,18 @@ FP8 (1x128 activation, 128x128 weight block scales), every rank times:
 
     gemm      the local GEMM alone (the floor)
     mm_rs     GEMM + NCCL reduce-scatter (functional collective): the unfused graph
-    ours      minimax::gemm_rs, overlapped path (min_tokens = 0)
+    ours      minimax::gemm_rs, overlapped path (min_tokens = 0); with --pieces,
+              also ours with the peer blocks pushed in that many pieces
     torch     torch.ops.symm_mem.fused_matmul_reduce_scatter
               (fused_scaled_matmul_reduce_scatter for FP8; "-" where it fails)
 
 Medians of CUDA-event timings after warm-up, all ranks started together by a
-barrier; by default each call is captured in a CUDA graph and replayed (how
-the model runs: no CPU launch cost), `--eager` times plain calls. Prints one
+barrier; by default `--calls` (10) back-to-back calls are captured in one
+CUDA graph and a replay's time is divided by them (how the model runs: no CPU
+launch cost, and the ranks stay in step from one collective to the next, as
+they do layer after layer; a single call per replay also counts the ranks'
+launch skew, 25-70 us measured on 2 x H200, in every collective method).
+`--calls 1` times one call per replay, `--eager` plain calls. Prints one
 progress line per shape, the table, the smallest M at which ours beats
 mm_rs from there on for each K (the `gemm_rs_min_tokens` recommendation), and
 writes JSON with the hardware. The ranks leave through tools/launch.py (a
@@ -42,8 +47,9 @@ def _log(rank: int, msg: str) -> None:
         print(f"[bench_gemm_rs {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _captured(fn):
-    """fn captured in a CUDA graph (after two warm-up calls that allocate workspaces)."""
+def _captured(fn, calls: int = 1):
+    """`calls` back-to-back calls of fn captured in one CUDA graph (after two warm-up calls
+    that allocate workspaces)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -54,7 +60,8 @@ def _captured(fn):
     dist.barrier()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
+        for _ in range(calls):
+            fn()
     torch.cuda.synchronize()
     return graph
 
@@ -96,11 +103,24 @@ def _time(fn, args) -> float | None:
     if args.eager:
         fn()
         return median_ms(fn, args.warmup, args.repeats, dist.barrier) * 1e3
-    graph = _captured(fn)
+    graph = _captured(fn, args.calls)
     try:
-        return median_ms(graph.replay, args.warmup, args.repeats, dist.barrier) * 1e3
+        return median_ms(graph.replay, args.warmup, args.repeats, dist.barrier) * 1e3 / args.calls
     finally:
         del graph
+
+
+def _time_with_env(fn, name: str, value, args) -> float:
+    """_time(fn) with environment variable `name` = value (read when the call is captured)."""
+    before = os.environ.get(name)
+    os.environ[name] = str(value)
+    try:
+        return _time(fn, args)
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def _all_ok(ok: bool) -> bool:
@@ -126,6 +146,7 @@ def _thresholds(rows, dtype):
 
 def job(rank: int, world: int, args) -> None:
     from minimax_backend.kernels.fp8 import quantize_weight_fp8
+    from minimax_backend.kernels.gemm_rs_cuda import PIECES_ENV
     from minimax_backend.tools.bench_common import print_table, write_json
 
     t0 = time.time()
@@ -152,7 +173,7 @@ def job(rank: int, world: int, args) -> None:
                 fns = _methods(x, w, fp8_args, world, group)
                 row = {"dtype": dtype, "K": k, "M": m, "N": N}
                 outs = {}
-                for name in METHODS:
+                for name in args.methods:
                     us, err = None, None
                     try:
                         outs[name] = fns[name]()
@@ -166,6 +187,11 @@ def job(rank: int, world: int, args) -> None:
                         failures.add((dtype, name, err))
                         us = None
                     row[f"{name}_us"] = us
+                for name in set(METHODS) - set(args.methods):
+                    row[f"{name}_us"] = None
+                for pieces in args.pieces:  # ours with the peer blocks pushed in this many pieces
+                    row[f"ours_p{pieces}_us"] = _time_with_env(fns["ours"], PIECES_ENV, pieces, args)
+                row["max_abs_diff"] = None
                 if "ours" in outs and "mm_rs" in outs:
                     row["max_abs_diff"] = (outs["ours"].float() - outs["mm_rs"].float()).abs().max().item()
                 r = row
@@ -189,9 +215,9 @@ def job(rank: int, world: int, args) -> None:
         targets[d] = {"min_speedup_vs_mm_rs_at_M>=4096": min(big) if big else None,
                       "min_speedup_vs_torch_at_M>=1024": min(vs_torch) if vs_torch else None}
     if rank == 0:
-        mode = "eager calls" if args.eager else "CUDA-graph replays"
+        mode = "eager calls" if args.eager else f"CUDA-graph replays of {args.calls} calls"
         print_table(rows, ["dtype", "K", "M", "gemm_us", "mm_rs_us", "ours_us", "torch_us", "ours_vs_mm_rs",
-                           "ours_vs_torch", "max_abs_diff"],
+                           "ours_vs_torch", "max_abs_diff"] + [f"ours_p{n}_us" for n in args.pieces],
                     title=f"GEMM + reduce-scatter, N={N}, {world} GPUs, medians of {args.repeats} {mode} (us)")
         for d, per_k in thresholds.items():
             for k, m in per_k.items():
@@ -202,6 +228,8 @@ def job(rank: int, world: int, args) -> None:
             print(f"targets {d}: {t}")
         if args.json:
             write_json(args.json, {"benchmark": "gemm_reduce_scatter", "world": world, "N": N, "mode": mode,
+                                   "calls_per_graph": None if args.eager else args.calls,
+                                   "pieces_env": os.environ.get(PIECES_ENV),
                                    "warmup": args.warmup, "repeats": args.repeats, "rows": rows,
                                    "thresholds": thresholds, "recommended_min_tokens": recommended,
                                    "targets": targets, "seconds": time.time() - t0})
@@ -217,10 +245,20 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--eager", action="store_true", help="time plain calls instead of CUDA-graph replays")
+    p.add_argument("--calls", type=int, default=10, help="back-to-back calls per captured graph (default 10)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--pieces", type=int, nargs="*", default=[],
+                   help="also time ours with the peer blocks pushed in each of these piece counts")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs CUDA GPUs")
+    if any(n < 1 for n in args.pieces):
+        raise SystemExit("--pieces values must be at least 1")
+    if args.pieces and "ours" not in args.methods:
+        raise SystemExit("--pieces times ours: keep 'ours' in --methods")
+    if args.calls < 1:
+        raise SystemExit("--calls must be at least 1")
     if args.tp < 2:
         raise SystemExit("--tp must be at least 2: a reduce-scatter needs two ranks")
     bad = [m for m in args.m if m % args.tp]
