@@ -245,9 +245,10 @@ def push_pieces(rows: int, k: int) -> int:
     """How many pieces a peer's block of `rows` rows (a GEMM over K = k) is computed and pushed in.
 
     Two where the push can outlast the GEMM that hides it: the push takes rows x N x 2 bytes
-    at ~375 GB/s whatever K is, the GEMM shrinks with K; measured on 2 x H200 (2026-11-30,
-    bench_gemm_rs): two pieces 7-11% faster at K = 2048 (FP8, M = 4096 / 16384), mixed within
-    +-5% at K >= 4096, where one piece stays (each piece's GEMM is a little less efficient)."""
+    at ~375 GB/s whatever K is, the GEMM shrinks with K. Measured on 2 x H200 (2026-11-30,
+    bench_gemm_rs --pieces 1 2, ..._gemm_rs_calls10.json): two pieces 5-12% faster at K = 2048
+    in FP8 (M = 4096-32768), BF16 within +-4%; at K >= 4096 one piece as fast or up to 6%
+    faster (each piece's GEMM is a little less efficient), so one piece stays there."""
     env = os.environ.get(PIECES_ENV)
     if env is not None:
         if not env.isdigit() or int(env) < 1:
