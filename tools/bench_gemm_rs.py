@@ -10,8 +10,9 @@ FP8 (1x128 activation, 128x128 weight block scales), every rank times:
     mm_rs     GEMM + NCCL reduce-scatter (functional collective): the unfused graph
     ours      minimax::gemm_rs, overlapped path (min_tokens = 0); with --pieces,
               also ours with the peer blocks pushed in that many pieces
-    torch     torch.ops.symm_mem.fused_matmul_reduce_scatter
-              (fused_scaled_matmul_reduce_scatter for FP8; "-" where it fails)
+    torch     torch.ops.symm_mem.fused_matmul_reduce_scatter (BF16);
+              fused_scaled_matmul_reduce_scatter with row-wise scales (FP8: the
+              only scaling it takes; our block scales were refused); "-" where it fails
 
 Medians of CUDA-event timings after warm-up, all ranks started together by a
 barrier; by default `--calls` (10) back-to-back calls are captured in one
@@ -66,6 +67,12 @@ def _captured(fn, calls: int = 1):
     return graph
 
 
+def _rowwise_fp8(t):
+    """(E4M3 data, float32 scale [rows, 1]): one scale per row."""
+    scale = (t.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+    return (t.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
 def _methods(x, w, fp8_args, world, group):
     """{name: callable} for one shape; fp8_args = (xq, xs, wq, ws) or None."""
     from minimax_backend.kernels.gemm_rs import local_gemm
@@ -90,9 +97,15 @@ def _methods(x, w, fp8_args, world, group):
         def torch_fused():
             return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w.t(), "sum", 0, group)
     else:
-        def torch_fused():  # torch shards A_scale by rows itself (it makes it row-major)
+        # torch's FP8 op takes tensor-wise or row-wise scales only (our 1 x 128 / 128 x 128
+        # blocks were refused there): time it row-wise, one scale per token and per output
+        # channel, its own format. A timing comparison; its numbers are not ours.
+        xr, xr_s = _rowwise_fp8(x)
+        wr, wr_s = _rowwise_fp8(w)
+
+        def torch_fused():
             return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
-                a, b.t(), a_s, b_s.t(), "sum", 0, 0, group, [a.shape[0], b.shape[0]], out_dtype=torch.bfloat16)
+                xr, wr.t(), xr_s, wr_s.t(), "sum", 0, 0, group, [xr.shape[0], wr.shape[0]], out_dtype=torch.bfloat16)
 
     return {"gemm": gemm, "mm_rs": mm_rs, "ours": ours, "torch": torch_fused}
 
