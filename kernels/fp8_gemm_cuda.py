@@ -63,21 +63,12 @@ def _choice() -> str:
 
 def fp8_block_gemm_cuda(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
                         out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """out: a contiguous [M, N] tensor of out_dtype to write into (cuBLAS writes it directly
-    where it can, which saves GEMM-RS a copy per row block); returned."""
-    if out is not None:
-        if xq.dim() != 2 or out.shape != (xq.shape[0], w.shape[0]) or out.dtype != out_dtype or not out.is_contiguous():
-            raise ValueError(f"fp8_block_gemm_cuda: out must be a contiguous [{xq.shape[0]}, {w.shape[0]}] "
-                             f"{out_dtype} tensor for a 2-D input, got {tuple(out.shape)} {out.dtype}")
-        k = xq.shape[1]
-        direct = (xq.shape[0] % 4 == 0 and _choice() != "triton" and scaled_mm_supports(xq.shape[0], k, k // xs.shape[1])
-                  and (k // xs.shape[1], k % 16, w.shape[0] % 16, (k // WEIGHT_BLOCK) % 4) not in _SCALED_MM_BROKEN)
-        if direct:
-            try:
-                return _scaled_mm_blockwise(xq, xs, w, ws, out_dtype, out=out)
-            except (RuntimeError, ValueError):
-                pass  # the call below finds the backend (and remembers a broken shape class)
-        return out.copy_(fp8_block_gemm_cuda(xq, xs, w, ws, out_dtype))
+    """out: a contiguous [M, N] tensor of out_dtype (2-D input) to write into; cuBLAS writes
+    it directly where it can, which saves GEMM-RS a copy per row block. Returns the result."""
+    if out is not None and (xq.dim() != 2 or out.shape != (xq.shape[0], w.shape[0]) or out.dtype != out_dtype
+                            or not out.is_contiguous()):
+        raise ValueError(f"fp8_block_gemm_cuda: out must be a contiguous [{xq.shape[0]}, {w.shape[0]}] "
+                         f"{out_dtype} tensor for a 2-D input, got {tuple(out.shape)} {out.dtype}")
     k = xq.shape[-1]
     group = k // xs.shape[-1]
     lead = xq.shape[:-1]
@@ -85,12 +76,12 @@ def fp8_block_gemm_cuda(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws:
     sa = xs.reshape(-1, xs.shape[-1])
     n = w.shape[0]
     if a.shape[0] == 0:
-        return xq.new_empty((*lead, n), dtype=out_dtype)
+        return out if out is not None else xq.new_empty((*lead, n), dtype=out_dtype)
     choice = _choice()
     key = (group, k % 16, n % 16, (k // WEIGHT_BLOCK) % 4)
     if choice != "triton" and scaled_mm_supports(a.shape[0], k, group) and key not in _SCALED_MM_BROKEN:
         try:
-            return fp8_block_gemm_scaled_mm(a, sa, w, ws, out_dtype).reshape(*lead, n)
+            return fp8_block_gemm_scaled_mm(a, sa, w, ws, out_dtype, out=out).reshape(*lead, n)
         except (RuntimeError, ValueError):
             if choice == "scaled_mm":
                 raise
@@ -99,8 +90,10 @@ def fp8_block_gemm_cuda(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws:
         from .fp8 import dequantize_weight_fp8
 
         x = a.float() * sa.float().repeat_interleave(group, dim=-1)
-        return (x @ dequantize_weight_fp8(w, ws).T).to(out_dtype).reshape(*lead, n)
-    return fp8_block_gemm_triton(a, sa, w, ws, out_dtype).reshape(*lead, n)
+        y = (x @ dequantize_weight_fp8(w, ws).T).to(out_dtype)
+    else:
+        y = fp8_block_gemm_triton(a, sa, w, ws, out_dtype)
+    return y.reshape(*lead, n) if out is None else out.copy_(y)
 
 
 def _weight_scales_for_cublas(ws: torch.Tensor, padded: bool) -> torch.Tensor:
@@ -127,7 +120,7 @@ def scaled_mm_supports(m: int, k: int, group: int) -> bool:
 
 
 def fp8_block_gemm_scaled_mm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
-                             out_dtype: torch.dtype) -> torch.Tensor:
+                             out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """cuBLASLt blockwise FP8 GEMM: a [M, K] x w [N, K]^T with 1x128 / 128x128 scales.
 
     Rows are padded to a multiple of 4 (the M-major scales' 16-byte alignment)
@@ -136,11 +129,12 @@ def fp8_block_gemm_scaled_mm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor,
     if not scaled_mm_supports(m, k, k // sa.shape[1]):
         raise ValueError(f"_scaled_mm blockwise is not trusted for K={k}, group {k // sa.shape[1]}")
     if m % 4 == 0:
-        return _scaled_mm_blockwise(a, sa, w, ws, out_dtype)
+        return _scaled_mm_blockwise(a, sa, w, ws, out_dtype, out=out)
     pad = 4 - m % 4
     a4 = torch.cat([a, a.new_zeros(pad, k)])
     sa4 = torch.cat([sa.float(), sa.new_ones(pad, sa.shape[1], dtype=torch.float32)])
-    return _scaled_mm_blockwise(a4, sa4, w, ws, out_dtype)[:m]
+    y = _scaled_mm_blockwise(a4, sa4, w, ws, out_dtype)[:m]
+    return y if out is None else out.copy_(y)
 
 
 def _scaled_mm_blockwise(a, sa, w, ws, out_dtype, out=None):

@@ -189,9 +189,10 @@ def fused_available(group_name: str) -> bool:
     if ok is not None:
         return ok
     why = None
-    if os.environ.get(DISABLE_ENV, "1") not in ("0", "1"):
-        raise ValueError(f"{DISABLE_ENV}={os.environ[DISABLE_ENV]!r}: use 1 (overlapped path, the default) or 0")
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    switch = os.environ.get(DISABLE_ENV, "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"{DISABLE_ENV}={switch!r}: use 1 (overlapped path, the default) or 0")
+    if switch == "0":
         why = f"{DISABLE_ENV}=0"
     elif not torch.cuda.is_available():
         why = "no CUDA"

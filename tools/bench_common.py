@@ -51,20 +51,26 @@ def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, barrier
     return statistics.median(times)
 
 
-def graphed(fn: Callable[[], Any], calls: int = 1) -> Callable[[], Any]:
+def graphed(fn: Callable[[], Any], calls: int = 1, before_capture: Callable[[], None] | None = None,
+            capture_error_mode: str = "global") -> Callable[[], Any]:
     """`calls` back-to-back calls of fn captured in one CUDA graph; returns a replay
     function that gives the last captured call's output.
 
     Three warm-up calls run first on a side stream, so compiles, autotuning,
-    workspaces and the allocator's first allocations happen outside capture."""
+    workspaces and the allocator's first allocations happen outside capture.
+    Multi-rank callers pass a rank barrier as `before_capture` and
+    capture_error_mode="thread_local" (NCCL's threads run during capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(side)
+    if before_capture is not None:
+        torch.cuda.synchronize()
+        before_capture()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
         for _ in range(calls):
             out = fn()
 

@@ -48,25 +48,6 @@ def _log(rank: int, msg: str) -> None:
         print(f"[bench_gemm_rs {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _captured(fn, calls: int = 1):
-    """`calls` back-to-back calls of fn captured in one CUDA graph (after two warm-up calls
-    that allocate workspaces)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(calls):
-            fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def _rowwise_fp8(t):
     """(E4M3 data, float32 scale [rows, 1]): one scale per row."""
     scale = (t.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
@@ -111,16 +92,16 @@ def _methods(x, w, fp8_args, world, group):
 
 
 def _time(fn, args) -> float | None:
-    from minimax_backend.tools.bench_common import median_ms
+    from minimax_backend.tools.bench_common import graphed, median_ms
 
     if args.eager:
         fn()
         return median_ms(fn, args.warmup, args.repeats, dist.barrier) * 1e3
-    graph = _captured(fn, args.calls)
+    replay = graphed(fn, args.calls, before_capture=dist.barrier, capture_error_mode="thread_local")
     try:
-        return median_ms(graph.replay, args.warmup, args.repeats, dist.barrier) * 1e3 / args.calls
+        return median_ms(replay, args.warmup, args.repeats, dist.barrier) * 1e3 / args.calls
     finally:
-        del graph
+        del replay  # frees the graph and its pool before the next shape
 
 
 def _time_with_env(fn, name: str, value, args) -> float:
