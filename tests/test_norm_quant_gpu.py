@@ -22,6 +22,11 @@ from minimax_backend.kernels.norm_quant import rms_norm_quant_fp8_reference
 
 pytestmark = pytest.mark.gpu
 
+# Hopper's FP8 tensor cores accumulate each 128-deep block with a ~14-bit mantissa before
+# the fp32 promotion (the effect DeepSeek-V3 describes); seen on H200: 1.4e-4 of the
+# largest output at K = 4096, 1.9e-4 at K = 256. Bound: 4e-4 of the largest output.
+FP8_MMA_ATOL = 4e-4
+
 
 def _nice(shape, gen, dtype):
     return (torch.randint(-16, 17, shape, generator=gen) / 4).to(dtype)
@@ -118,18 +123,20 @@ def test_fp8_block_gemm_cuda_matches_reference(backend, m, n, k, g):
     # rtol: the bf16 output's rounding. atol: Hopper's FP8 tensor cores accumulate each
     # 128-deep block with a ~14-bit mantissa before the fp32 promotion (the effect
     # DeepSeek-V3 describes); seen on H200: 1.4e-4 of the largest output at K = 4096.
-    torch.testing.assert_close(out.float().cpu(), ref, rtol=2**-7, atol=4e-4 * scale)
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2**-7, atol=FP8_MMA_ATOL * scale)
 
 
 def test_fp8_block_gemm_cuda_entry_handles_3d_and_empty():
     from minimax_backend.kernels.fp8_gemm_cuda import fp8_block_gemm_cuda
 
-    xq, xs = torch.ops.minimax.quantize_fp8(torch.randn(2, 3, 256), 128)
-    w, ws = quantize_weight_fp8(torch.randn(128, 256) * 0.05)
+    gen = torch.Generator().manual_seed(3)
+    xq, xs = torch.ops.minimax.quantize_fp8(torch.randn(2, 3, 256, generator=gen), 128)
+    w, ws = quantize_weight_fp8(torch.randn(128, 256, generator=gen) * 0.05)
     ref = torch.ops.minimax.fp8_block_gemm(xq, xs, w, ws, torch.float32)
     out = fp8_block_gemm_cuda(xq.cuda(), xs.cuda(), w.cuda(), ws.cuda(), torch.bfloat16)
     assert out.shape == (2, 3, 128)
-    torch.testing.assert_close(out.float().cpu(), ref, rtol=2**-7, atol=1e-4 * float(ref.abs().max()))
+    # same bound as above (Hopper's FP8 accumulation); 1e-4 here was exceeded by an unseeded draw on the H200
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2**-7, atol=FP8_MMA_ATOL * float(ref.abs().max()))
     empty = fp8_block_gemm_cuda(xq[:0].cuda(), xs[:0].cuda(), w.cuda(), ws.cuda(), torch.bfloat16)
     assert empty.shape == (0, 3, 128)
 
