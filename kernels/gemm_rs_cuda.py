@@ -1,33 +1,37 @@
 """GEMM overlapped with the reduce-scatter of its result, over NVLink (CUDA).
 
 The fused path of ``minimax::gemm_rs`` (see kernels/gemm_rs.py). With W ranks
-and M' = M + pad rows, rank d owns output rows [d*m, (d+1)*m), m = M'/W.
-Every rank holds a symmetric-memory buffer ``sym [W, m, N]``: slot s receives
-rank s's partial sum of the rows this rank owns. One call, on rank r:
+and M' = M + pad rows, rank d owns output rows [d*m, (d+1)*m), m = M'/W, cut
+into pieces (push_pieces). Every rank holds a symmetric-memory buffer
+``sym [W, m, N]``: slot s receives rank s's partial sum of the rows this rank
+owns. One call, on rank r:
 
-    barrier (side stream)                    every peer finished reading its slots
-    for d in r+1, r+2, ..., r+W-1 (mod W):       peers first, own rows last
-        for each piece of d's rows:               (push_pieces: 2 at K <= 2048, else 1)
-            GEMM the piece      -> stage[d]      (main stream, cuBLAS writes in place)
-            copy it -> rank d's sym[r]            (side stream, copy engine)
-                                                  ... while the next GEMM runs
-    own rows: GEMM straight into sym[r]
-    join side stream; barrier                every peer's pushes into sym have landed
-    out = sum over the W slots               the reduce-scatter result, [m, N]
+    barrier (side stream)                       every peer finished reading its slots
+    for each piece p:
+        for d in r+1, ..., r+W-1 (mod W):        peers' rows first
+            GEMM d's piece p -> stage[d]         (main stream, cuBLAS writes in place)
+            copy it -> rank d's sym[r]           (side stream, copy engine) ... while the next GEMM runs
+        [epilogue: barrier (side stream)]        piece p of every peer has landed in my slots
+    then my own rows, in one of two schedules (choose_schedule: by M' x K):
+
+    sum_after (small GEMMs):  GEMM my rows -> sym[r] beside the last push; barrier; out = sum of the W slots
+    epilogue (large GEMMs):   for each piece p: wait for piece p;
+                                W = 2: out[p] = GEMM + the peer's slot, added in the GEMM's epilogue
+                                       (one cuBLASLt call, kernels/cublaslt_gemm.py)
+                                W > 2: GEMM -> sym[r]; out[p] = sum over the W slots (one rounding)
+
+The final sum of sum_after costs a pass over [m, N] after the last GEMM (about
+20 us at M = 4096 and 150 us at 32768, N = 6144 BF16, on the H200) that no
+overlap hides; the epilogue schedule removes it, at the price of a barrier and
+an event wait per piece and smaller GEMMs, which pays for large GEMMs only.
 
 The copies are plain ``Tensor.copy_`` into the peer's buffer mapped in our
 address space, i.e. ``cudaMemcpyAsync`` on the copy engine: no SMs are taken
 from the GEMM, and no NVLink multicast / multimem instruction is used
 (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set before the first allocation
 unless the caller set it). Every step is a stream operation (GEMM, event
-waits, memcpy, symmetric-memory barrier kernel, reduction), so the whole op
-can be captured in a CUDA graph.
-
-Pieces: with two ranks the one peer block is half the GEMM, and its push
-(about 67 us for 2048 x 6144 BF16 at ~375 GB/s) can outlast the own-rows
-GEMM that hides it (52 us at K = 2048 in FP8); pushing the block in two
-pieces starts the transfer earlier (at K <= 2048, where that was measured
-faster). ``MINIMAX_GEMM_RS_PIECES`` overrides the count.
+waits, memcpy, symmetric-memory barrier kernel), so the whole op can be
+captured in a CUDA graph.
 
 Buffers: one workspace per (device, group, rows per rank, N, dtype),
 allocated and rendezvoused on first use (a collective: all ranks call the op
@@ -55,15 +59,21 @@ from typing import Callable, Optional
 
 import torch
 
+from .cublaslt_gemm import try_matmul_add
+
 log = logging.getLogger("minimax")
 
 __all__ = ["fused_available", "gemm_rs_fused", "prepare", "push_pieces", "piece_bounds", "workspace_count"]
 
 DISABLE_ENV = "MINIMAX_GEMM_RS_FUSED"  # "0": always matmul + reduce-scatter
-PIECES_ENV = "MINIMAX_GEMM_RS_PIECES"  # pieces per peer block (default: push_pieces)
-DEFAULT_PIECES = 2  # for K <= SMALL_K (see push_pieces)
-SMALL_K = 2048
-MIN_PIECE_ROWS = 512  # smaller GEMMs lose more efficiency than an earlier push gains
+PIECES_ENV = "MINIMAX_GEMM_RS_PIECES"  # pieces per row block (default: push_pieces)
+SCHEDULE_ENV = "MINIMAX_GEMM_RS_SCHEDULE"  # auto (default), epilogue or sum_after
+EPILOGUE_MIN_WORK = 12 << 20  # M' x K_eff from which the epilogue schedule is faster (see choose_schedule)
+EPILOGUE_MIN_K = 2048  # K_eff below which it never is
+FP8_K_FACTOR = 0.6  # an FP8 GEMM takes about as long as a BF16 one of 0.6 x its K (N = 6144, H200)
+DEFAULT_PIECES = 2
+SMALL_K = 2048  # sum_after: pieces only at K <= SMALL_K
+MIN_PIECE_ROWS = 256  # below, one piece
 PIECE_ALIGN = 128  # piece boundaries on whole GEMM tiles (and FP8 scale rows in multiples of 4)
 
 
@@ -80,6 +90,8 @@ class _Workspace:
     stage: torch.Tensor  # [W, m, N] local: GEMM output bound for rank d (slot d; own slot unused)
     handle: object = None  # the _SymmetricMemory handle (barrier)
     comm: Optional[torch.cuda.Stream] = None  # side stream for the copies
+    arrived: list = field(default_factory=list)  # arrived[p]: event on `comm` after piece p's barrier
+    schedule: str = ""  # of the last call: "epilogue" or "sum_after" (choose_schedule)
     pushes: list = field(default_factory=list)  # (dst, src) of the last call, for tests
 
     # Stream plumbing; the CPU simulation in the tests replaces these with no-ops.
@@ -95,6 +107,15 @@ class _Workspace:
 
     def join(self) -> None:
         torch.cuda.current_stream().wait_stream(self.comm)
+
+    def mark_arrived(self, piece: int) -> None:
+        """(On the side stream, after piece `piece`'s barrier.)"""
+        while len(self.arrived) <= piece:
+            self.arrived.append(torch.cuda.Event())
+        self.arrived[piece].record(self.comm)
+
+    def wait_arrived(self, piece: int) -> None:
+        torch.cuda.current_stream().wait_event(self.arrived[piece])
 
 
 _WORKSPACES: dict[tuple, _Workspace] = {}
@@ -213,49 +234,89 @@ def fused_available(group_name: str) -> bool:
 
 
 # ------------------------------------------------------------------- the op
-def _rows_gemm(x, weight, x_scale, weight_scale, bias, out_dtype) -> Callable[[int, int, torch.Tensor], None]:
-    """gemm(lo, hi, out): out[:hi-lo] = x[lo:hi] @ weight.T (+ bias); padding rows of out = 0.
+def _rows_gemm(x, weight, x_scale, weight_scale, bias, out_dtype) -> Callable:
+    """gemm(lo, hi, out, add=None): out[:hi-lo] = x[lo:hi] @ weight.T (+ bias) (+ add[:hi-lo]);
+    the padding rows of out are 0 (+ add's).
 
-    Every GEMM writes its rows in place (cuBLAS `out=`), so a row block costs no extra copy."""
+    Every GEMM writes its rows in place (cuBLAS `out=`), so a row block costs no extra copy;
+    `add` goes into the GEMM's epilogue where cuBLASLt takes it (kernels/cublaslt_gemm.py)."""
 
-    def gemm(lo: int, hi: int, out: torch.Tensor) -> None:
+    def gemm(lo: int, hi: int, out: torch.Tensor, add: Optional[torch.Tensor] = None) -> None:
         real = max(0, hi - lo)
         if real:
             dst = out[:real]
-            if x_scale is None and bias is None:
-                torch.mm(x[lo:hi], weight.t(), out=dst)
-            elif x_scale is None:
-                torch.addmm(bias.reshape(-1), x[lo:hi], weight.t(), out=dst)
-            elif x.is_cuda:
-                from .fp8_gemm_cuda import fp8_block_gemm_cuda
-
-                fp8_block_gemm_cuda(x[lo:hi], x_scale[lo:hi], weight, weight_scale, out_dtype, out=dst)
-                if bias is not None:
-                    dst.add_(bias.reshape(-1).to(dst.dtype))
-            else:
-                from .gemm_rs import local_gemm
-
-                dst.copy_(local_gemm(x[lo:hi], weight, x_scale[lo:hi], weight_scale, bias, out_dtype))
+            rows_scale = None if x_scale is None else x_scale[lo:hi]
+            fused = (add is not None and bias is None and x.is_cuda
+                     and try_matmul_add(x[lo:hi], weight, add[:real], dst, rows_scale, weight_scale))
+            if not fused:
+                _plain_gemm(x[lo:hi], weight, rows_scale, weight_scale, bias, out_dtype, dst)
+                if add is not None:
+                    dst.add_(add[:real])
         if real < out.shape[0]:
-            out[real:].zero_()
+            if add is None:
+                out[real:].zero_()
+            else:
+                out[real:].copy_(add[real:])
 
     return gemm
 
 
-def push_pieces(rows: int, k: int) -> int:
-    """How many pieces a peer's block of `rows` rows (a GEMM over K = k) is computed and pushed in.
+def _plain_gemm(x, weight, x_scale, weight_scale, bias, out_dtype, dst) -> None:
+    if x_scale is None and bias is None:
+        torch.mm(x, weight.t(), out=dst)
+    elif x_scale is None:
+        torch.addmm(bias.reshape(-1), x, weight.t(), out=dst)
+    elif x.is_cuda:
+        from .fp8_gemm_cuda import fp8_block_gemm_cuda
 
-    Two where the push can outlast the GEMM that hides it: the push takes rows x N x 2 bytes
-    at ~375 GB/s whatever K is, the GEMM shrinks with K. Measured on 2 x H200 (2026-11-30,
-    bench_gemm_rs --pieces 1 2, ..._gemm_rs_calls10.json): two pieces 5-12% faster at K = 2048
-    in FP8 (M = 4096-32768), BF16 within +-4%; at K >= 4096 one piece as fast or up to 6%
-    faster (each piece's GEMM is a little less efficient), so one piece stays there."""
+        fp8_block_gemm_cuda(x, x_scale, weight, weight_scale, out_dtype, out=dst)
+        if bias is not None:
+            dst.add_(bias.reshape(-1).to(dst.dtype))
+    else:
+        from .gemm_rs import local_gemm
+
+        dst.copy_(local_gemm(x, weight, x_scale, weight_scale, bias, out_dtype))
+
+
+def choose_schedule(tokens: int, k: int, fp8: bool = False) -> str:
+    """'epilogue' or 'sum_after' for a GEMM of `tokens` (padded) rows over K = k.
+
+    sum_after: the own rows' GEMM runs beside the last push and a sum over the slots
+    follows the last barrier. epilogue: the own rows wait, piece by piece, for the
+    peer's partials and add them in the GEMM's epilogue. The sum costs a pass over
+    [m, N] after everything; the epilogue costs fixed latency (barriers, smaller GEMMs)
+    and needs each piece's GEMM to outlast the push of the piece before, which depends
+    on the GEMM's time per row, i.e. K (FP8 counts as FP8_K_FACTOR x K).
+
+    Measured on 2 x H200, N = 6144 (2026-11-30, bench_gemm_rs --schedules epilogue
+    sum_after, tools/results/2026-11-30_h200x2_gemm_rs_schedules.json): epilogue faster
+    from M' x K_eff = 12 Mi with K_eff >= 2048 (BF16: M >= 8192 at K = 2048, 4096 at
+    K = 4096, 2048 at K = 6144; FP8: M >= 8192 at K = 4096, 4096 at K = 6144, never at
+    K = 2048, where the FP8 GEMM of a piece is shorter than the push before it)."""
+    env = os.environ.get(SCHEDULE_ENV, "auto")
+    if env not in ("auto", "epilogue", "sum_after"):
+        raise ValueError(f"{SCHEDULE_ENV}={env!r}: use auto, epilogue or sum_after")
+    if env != "auto":
+        return env
+    k_eff = k * FP8_K_FACTOR if fp8 else k
+    return "epilogue" if k_eff >= EPILOGUE_MIN_K and tokens * k_eff >= EPILOGUE_MIN_WORK else "sum_after"
+
+
+def push_pieces(rows: int, k: int, schedule: str = "epilogue") -> int:
+    """How many pieces each block of `rows` rows (a GEMM over K = k) is computed in.
+
+    epilogue: the own rows wait for the peer's push of the same piece, so one piece would
+    put the whole push between the two halves of the GEMM; two let each push run beside
+    the next piece's GEMM (3 and 4 measured slower on 2 x H200 at M <= 2048 and within
+    +-5% above). sum_after: two pieces at K <= 2048 only, where the push (rows x N x 2
+    bytes at ~375 GB/s, whatever K is) can outlast the own-rows GEMM that hides it; one
+    above (each piece's GEMM is a little less efficient). Pieces have >= MIN_PIECE_ROWS rows."""
     env = os.environ.get(PIECES_ENV)
     if env is not None:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"{PIECES_ENV}={env!r}: use a whole number >= 1")
         return min(int(env), max(1, rows // PIECE_ALIGN))
-    if k > SMALL_K:
+    if schedule == "sum_after" and k > SMALL_K:
         return 1
     return max(1, min(DEFAULT_PIECES, rows // MIN_PIECE_ROWS))
 
@@ -266,37 +327,73 @@ def piece_bounds(rows: int, pieces: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
-def push_partials(ws: _Workspace, gemm: Callable[[int, int, torch.Tensor], None], tokens: int, k: int) -> None:
-    """Compute every peer's row block and send it, piece by piece, to its owner's slot [my rank]."""
+def push_partials(ws: _Workspace, gemm: Callable, tokens: int, pieces: list[tuple[int, int]],
+                  mark_pieces: bool) -> None:
+    """Compute every peer's rows and send them, piece by piece, to the owner's slot [my rank].
+
+    With mark_pieces, a barrier on the side stream after each piece: when it passes, that
+    piece of every peer's partial sums has landed in my slots (ws.arrived[p])."""
     ws.pushes = []
-    pieces = piece_bounds(ws.rows, push_pieces(ws.rows, k))
-    for step in range(1, ws.world):
-        d = (ws.rank + step) % ws.world
-        lo = d * ws.rows
-        for a, b in pieces:
+    for p, (a, b) in enumerate(pieces):
+        for step in range(1, ws.world):
+            d = (ws.rank + step) % ws.world
+            lo = d * ws.rows
             gemm(lo + a, min(lo + b, tokens), ws.stage[d, a:b])
             ws.fork()
             with ws.side():
                 ws.peers[d][ws.rank, a:b].copy_(ws.stage[d, a:b], non_blocking=True)
             ws.pushes.append((d, ws.rank, a, b))
+        if mark_pieces:
+            with ws.side():
+                ws.barrier()
+                ws.mark_arrived(p)
 
 
-def own_rows(ws: _Workspace, gemm: Callable[[int, int, torch.Tensor], None], tokens: int) -> None:
-    """GEMM my own rows straight into my slot (last: nothing waits for them but the sum)."""
+def own_rows_sum_after(ws: _Workspace, gemm: Callable, tokens: int) -> torch.Tensor:
+    """sum_after: GEMM my rows into my slot beside the last push; after the barrier, sum the W slots.
+
+    Summing each piece on the side stream beside the next GEMM was measured slower on
+    2 x H200 (FP8 K = 6144: 340 vs 306 us at M = 4096; tools/results/
+    2026-11-30_h200x2_gemm_rs_sum_overlap.json): the sum does not run beside cuBLAS's GEMM."""
     lo = ws.rank * ws.rows
     gemm(lo, min(lo + ws.rows, tokens), ws.sym[ws.rank])
-
-
-def reduce_slots(ws: _Workspace) -> torch.Tensor:
-    """Sum of the W partials of my rows (a new tensor: `sym` is reused by the next call).
-
-    Summing each own-rows piece on the side stream while the next piece's GEMM runs was
-    measured slower on 2 x H200 (FP8 K = 6144: 340 vs 306 us at M = 4096, 1348 vs 1282 at
-    16384; tools/results/2026-11-30_h200x2_gemm_rs_sum_overlap.json): the sum does not run
-    beside cuBLAS's GEMM, and smaller GEMMs cost more. Not kept."""
+    ws.join()
+    ws.barrier()  # every peer's copies into my slots are complete
     if ws.world == 2:
         return torch.add(ws.sym[0], ws.sym[1])
     return ws.sym.sum(dim=0)  # fp32 accumulation, one rounding
+
+
+def own_rows_epilogue(ws: _Workspace, gemm: Callable, tokens: int, pieces: list[tuple[int, int]],
+                      out: torch.Tensor) -> torch.Tensor:
+    """epilogue: out = my rows of the sum over ranks, piece by piece as the peers' partials arrive.
+
+    Two ranks: the peer's slot is the addend of my GEMM (added in its epilogue by cuBLASLt,
+    or right after it where cuBLASLt declines). More: my partial goes to my own slot and
+    the W slots are summed (fp32 accumulation, one rounding)."""
+    lo = ws.rank * ws.rows
+    for p, (a, b) in enumerate(pieces):
+        hi = min(lo + b, tokens)
+        if ws.world == 2:
+            ws.wait_arrived(p)
+            gemm(lo + a, hi, out[a:b], add=ws.sym[1 - ws.rank, a:b])
+        else:
+            gemm(lo + a, hi, ws.sym[ws.rank, a:b])
+            ws.wait_arrived(p)
+            torch.sum(ws.sym[:, a:b], dim=0, out=out[a:b])
+    ws.join()
+    return out
+
+
+def run_schedule(ws: _Workspace, gemm: Callable, tokens: int, k: int, fp8: bool, n: int, dtype, device) -> torch.Tensor:
+    """Everything after the first barrier; the CPU simulation in the tests calls it per rank."""
+    schedule = choose_schedule(ws.rows * ws.world, k, fp8)
+    pieces = piece_bounds(ws.rows, push_pieces(ws.rows, k, schedule))
+    ws.schedule = schedule
+    push_partials(ws, gemm, tokens, pieces, mark_pieces=schedule == "epilogue")
+    if schedule == "sum_after":
+        return own_rows_sum_after(ws, gemm, tokens)
+    return own_rows_epilogue(ws, gemm, tokens, pieces, torch.empty((ws.rows, n), dtype=dtype, device=device))
 
 
 def gemm_rs_fused(x, weight, x_scale, weight_scale, bias, pad_rows: int, group_size: int, group_name: str,
@@ -309,14 +406,10 @@ def gemm_rs_fused(x, weight, x_scale, weight_scale, bias, pad_rows: int, group_s
         raise RuntimeError(f"minimax::gemm_rs: group {group_name!r} has {ws.world} ranks, the op says {group_size}")
     gemm = _rows_gemm(x, weight, x_scale, weight_scale, bias, dtype)
     # Before the first push, every rank must be done reading its slots (the
-    # previous call's reduction). That barrier runs on the side stream, after
-    # it waits for our own earlier work, so the first GEMM need not wait for
-    # the slowest rank: the GEMMs only write local memory.
+    # previous call's own-rows GEMMs and sums). That barrier runs on the side
+    # stream, after it waits for our own earlier work, so the first GEMM need
+    # not wait for the slowest rank: the GEMMs only write local memory.
     ws.fork()
     with ws.side():
         ws.barrier()
-    push_partials(ws, gemm, tokens, x.shape[1])
-    own_rows(ws, gemm, tokens)
-    ws.join()
-    ws.barrier()  # every peer's copies into my slots are complete
-    return reduce_slots(ws)
+    return run_schedule(ws, gemm, tokens, x.shape[1], x_scale is not None, n, dtype, x.device)

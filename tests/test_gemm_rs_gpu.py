@@ -36,45 +36,61 @@ def _inputs(rank, tokens, k, n, fp8, device):
     return (xq, wq, xs, ws, None), torch.bfloat16
 
 
-def check_fused_equals_unfused(rank, world, group):
+def _schedule(name):
+    """Force the own-rows schedule of kernels/gemm_rs_cuda.py in this rank (read per call)."""
+    import os
+
     from minimax_backend.kernels import gemm_rs_cuda
+
+    os.environ[gemm_rs_cuda.SCHEDULE_ENV] = name
+
+
+def check_fused_equals_unfused(rank, world, group):
+    from minimax_backend.kernels import cublaslt_gemm, gemm_rs_cuda
 
     device = torch.device("cuda", rank)
     diffs = {}
-    for fp8 in (False, True):
-        for tokens in (37, 1000, 4099):  # odd counts: padded to a multiple of the world size
-            args, out_dtype = _inputs(rank, tokens, 512, 768, fp8, device)
-            pad = -(-tokens // world) * world - tokens
-            fused = torch.ops.minimax.gemm_rs(*args, pad, 0, world, group, out_dtype=out_dtype)
-            plain = torch.ops.minimax.gemm_rs(*args, pad, 1 << 30, world, group, out_dtype=out_dtype)
-            assert fused.shape == plain.shape == ((tokens + pad) // world, 768)
-            torch.testing.assert_close(fused, plain, rtol=1.6e-2, atol=1e-2)
-            diffs[f"{'fp8' if fp8 else 'bf16'}_{tokens}"] = (fused.float() - plain.float()).abs().max().item()
+    for schedule in ("sum_after", "epilogue"):
+        _schedule(schedule)
+        for fp8 in (False, True):
+            for tokens in (37, 1000, 4099):  # odd counts: padded to a multiple of the world size
+                args, out_dtype = _inputs(rank, tokens, 512, 768, fp8, device)
+                pad = -(-tokens // world) * world - tokens
+                fused = torch.ops.minimax.gemm_rs(*args, pad, 0, world, group, out_dtype=out_dtype)
+                plain = torch.ops.minimax.gemm_rs(*args, pad, 1 << 30, world, group, out_dtype=out_dtype)
+                assert fused.shape == plain.shape == ((tokens + pad) // world, 768)
+                # one BF16 rounding apart at most (the epilogue adds before rounding, the sum after)
+                torch.testing.assert_close(fused, plain, rtol=1.6e-2, atol=1e-2)
+                diffs[f"{schedule}_{'fp8' if fp8 else 'bf16'}_{tokens}"] = (fused.float() - plain.float()).abs().max().item()
     assert gemm_rs_cuda.workspace_count() > 0, "the fused path never ran"
+    diffs["epilogue_add_unavailable"] = str(cublaslt_gemm.unavailable_reasons())
     return diffs
 
 
 def check_cuda_graph_capture_and_replay(rank, world, group):
     device = torch.device("cuda", rank)
-    args, _ = _inputs(rank, 4096, 1024, 1024, False, device)
-    x, w = args[0], args[1]
-    op = lambda: torch.ops.minimax.gemm_rs(x, w, None, None, None, 0, 0, world, group)  # noqa: E731
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside capture: allocates the workspace
-        op()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out = op()
-    diffs = []
-    for trial in range(3):
-        x.copy_(torch.randn_like(x))
-        dist.barrier()
-        graph.replay()
-        want = torch.ops.minimax.gemm_rs(x, w, None, None, None, 0, 1 << 30, world, group)
-        torch.testing.assert_close(out, want, rtol=1.6e-2, atol=1e-2)
-        diffs.append((out.float() - want.float()).abs().max().item())
+    diffs = {}
+    for schedule in ("sum_after", "epilogue"):
+        _schedule(schedule)
+        for fp8 in (False, True):
+            args, out_dtype = _inputs(rank, 4096, 1024, 1024, fp8, device)
+            op = lambda: torch.ops.minimax.gemm_rs(*args, 0, 0, world, group, out_dtype=out_dtype)  # noqa: E731
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside capture: allocates the workspace
+                op()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = op()
+            for trial in range(3):
+                args[0].copy_(torch.randn(args[0].shape, device=device).to(args[0].dtype))
+                dist.barrier()
+                graph.replay()
+                want = torch.ops.minimax.gemm_rs(*args, 0, 1 << 30, world, group, out_dtype=out_dtype)
+                torch.testing.assert_close(out, want, rtol=1.6e-2, atol=1e-2)
+                diffs[f"{schedule}_{'fp8' if fp8 else 'bf16'}_{trial}"] = (out.float() - want.float()).abs().max().item()
+            del graph
     return diffs
 
 

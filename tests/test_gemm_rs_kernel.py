@@ -1,13 +1,16 @@
 """The overlapped GEMM-RS schedule of kernels/gemm_rs_cuda.py, checked on CPU.
 
 The CUDA kernel is a schedule of ordinary tensor ops (row-block GEMMs, copies
-into the peers' symmetric buffers, a sum over slots) around two barriers and
-a side stream. Here W ranks are simulated in one process: the "symmetric
-buffers" are plain tensors that every simulated rank can write, barriers and
-streams are no-ops, and the push phase of every rank runs before any rank
-reduces (which is what the barrier guarantees on the GPU). That checks the
-indexing (who owns which rows, which slot a push lands in, padding rows) for
-any world size, including the 4 and 8 the GPU box cannot test.
+into the peers' symmetric buffers, GEMMs that add the peer's partial, sums over
+slots) around barriers, events and a side stream. Here W ranks are simulated in
+one process: the "symmetric buffers" are plain tensors that every simulated
+rank can write, barriers, events and streams are no-ops, and the push phase of
+every rank runs before any rank computes its own rows (which is what the
+per-piece barriers guarantee on the GPU). On CPU the addend of the own-rows
+GEMM is added after it (cuBLASLt does it in the epilogue on the GPU). That
+checks the indexing (who owns which rows, which slot a push lands in, padding
+rows, pieces) for any world size, including the 4 and 8 the GPU box cannot
+test.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ class SimWorkspace(gemm_rs_cuda._Workspace):
     def join(self):
         pass
 
+    def mark_arrived(self, piece):
+        self.marked.append(piece)
+
+    def wait_arrived(self, piece):
+        assert piece in self.marked, f"piece {piece} awaited before its barrier"
+
 
 def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biases=None, out_dtype=None):
     rows = -(-tokens // world)
@@ -45,22 +54,38 @@ def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biase
                      stage=torch.full_like(syms[r], float("nan")))
         for r in range(world)
     ]
+    for ws in workspaces:
+        ws.marked = []
+    k = xs[0].shape[1]
+    schedule = gemm_rs_cuda.choose_schedule(rows * world, k, x_scales is not None)
+    pieces = gemm_rs_cuda.piece_bounds(rows, gemm_rs_cuda.push_pieces(rows, k, schedule))
+    assert pieces[0][0] == 0 and pieces[-1][1] == rows and all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
     gemms = []
     for r, ws in enumerate(workspaces):
         gemm = gemm_rs_cuda._rows_gemm(xs[r], weights[r], None if x_scales is None else x_scales[r],
                                        None if w_scales is None else w_scales[r],
                                        None if biases is None else biases[r], dtype)
         gemms.append(gemm)
-        k = xs[r].shape[1]
-        gemm_rs_cuda.push_partials(ws, gemm, tokens, k)
+        gemm_rs_cuda.push_partials(ws, gemm, tokens, pieces, mark_pieces=schedule == "epilogue")
         # every peer got its whole block from this rank, in pieces that tile [0, rows), into slot [r]
-        pieces = gemm_rs_cuda.piece_bounds(rows, gemm_rs_cuda.push_pieces(rows, k))
-        assert sorted(ws.pushes) == [(d, r, a, b) for d in range(world) if d != r for a, b in pieces]
-        assert pieces[0][0] == 0 and pieces[-1][1] == rows and all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
-    # every rank's pushes land before any rank sums (the barrier on the GPU)
+        assert sorted(ws.pushes) == sorted((d, r, a, b) for d in range(world) if d != r for a, b in pieces)
+        assert ws.marked == (list(range(len(pieces))) if schedule == "epilogue" else [])
+    # every rank's pushes land before any rank computes its own rows (the barriers on the GPU)
+    outs = []
     for ws, gemm in zip(workspaces, gemms):
-        gemm_rs_cuda.own_rows(ws, gemm, tokens)
-    return [gemm_rs_cuda.reduce_slots(ws) for ws in workspaces]
+        if schedule == "sum_after":
+            outs.append(gemm_rs_cuda.own_rows_sum_after(ws, gemm, tokens))
+        else:
+            out = torch.full((rows, weights[0].shape[0]), float("nan"), dtype=dtype)
+            outs.append(gemm_rs_cuda.own_rows_epilogue(ws, gemm, tokens, pieces, out))
+    return outs
+
+
+@pytest.fixture(params=["sum_after", "epilogue"])
+def schedule(request, monkeypatch):
+    """Both schedules of the own rows (choose_schedule picks by size; forced here)."""
+    monkeypatch.setenv(gemm_rs_cuda.SCHEDULE_ENV, request.param)
+    return request.param
 
 
 def _reference(partials, tokens, world):
@@ -71,7 +96,7 @@ def _reference(partials, tokens, world):
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 @pytest.mark.parametrize("tokens", [1, 7, 37, 64])
-def test_schedule_matches_reduce_scatter(world, tokens):
+def test_schedule_matches_reduce_scatter(schedule, world, tokens):
     # small integers: every sum is exact, whatever order a GEMM or reduction adds in
     g = torch.Generator().manual_seed(world * 100 + tokens)
     ints = lambda *shape: torch.randint(-3, 4, shape, generator=g).float()  # noqa: E731
@@ -90,12 +115,12 @@ def test_schedule_matches_reduce_scatter(world, tokens):
 
 @pytest.mark.parametrize("pieces", ["1", "2", "3", "16"])
 @pytest.mark.parametrize("world,tokens", [(2, 2101), (3, 1537), (4, 4099)])
-def test_schedule_in_pieces_matches_reduce_scatter(monkeypatch, pieces, world, tokens):
+def test_schedule_in_pieces_matches_reduce_scatter(schedule, monkeypatch, pieces, world, tokens):
     """Blocks pushed in pieces (the last one partly padding rows); 16 is more than
     fits and is capped at one piece per 128 rows."""
     monkeypatch.setenv(gemm_rs_cuda.PIECES_ENV, pieces)
     rows = -(-tokens // world)
-    assert len(gemm_rs_cuda.piece_bounds(rows, gemm_rs_cuda.push_pieces(rows, 16))) == min(int(pieces), rows // 128)
+    assert len(gemm_rs_cuda.piece_bounds(rows, gemm_rs_cuda.push_pieces(rows, 16, schedule))) == min(int(pieces), rows // 128)
     g = torch.Generator().manual_seed(tokens)
     ints = lambda *shape: torch.randint(-3, 4, shape, generator=g).float()  # noqa: E731
     xs = [ints(tokens, 16) for _ in range(world)]
@@ -108,17 +133,30 @@ def test_schedule_in_pieces_matches_reduce_scatter(monkeypatch, pieces, world, t
 
 def test_default_pieces_and_bad_override(monkeypatch):
     monkeypatch.delenv(gemm_rs_cuda.PIECES_ENV, raising=False)
-    assert gemm_rs_cuda.push_pieces(511, 2048) == 1  # below two 512-row pieces: one
-    assert gemm_rs_cuda.push_pieces(1024, 2048) == gemm_rs_cuda.DEFAULT_PIECES == 2
-    assert gemm_rs_cuda.push_pieces(8192, 4096) == 1  # the GEMM hides the whole push at larger K
+    monkeypatch.delenv(gemm_rs_cuda.SCHEDULE_ENV, raising=False)
+    assert gemm_rs_cuda.push_pieces(511, 2048) == 1  # below two 256-row pieces: one
+    assert gemm_rs_cuda.push_pieces(512, 2048) == gemm_rs_cuda.DEFAULT_PIECES == 2
+    assert gemm_rs_cuda.push_pieces(8192, 6144) == 2  # epilogue: the own rows wait per piece, at any K
+    assert gemm_rs_cuda.push_pieces(8192, 6144, "sum_after") == 1  # the own-rows GEMM hides the whole push
+    assert gemm_rs_cuda.push_pieces(8192, 2048, "sum_after") == 2
+    choose = gemm_rs_cuda.choose_schedule
+    assert [choose(m, 2048) for m in (4096, 8192)] == ["sum_after", "epilogue"]  # BF16, the measured crossovers
+    assert [choose(m, 4096) for m in (2048, 4096)] == ["sum_after", "epilogue"]
+    assert [choose(m, 6144) for m in (1024, 2048)] == ["sum_after", "epilogue"]
+    assert [choose(m, 4096, fp8=True) for m in (4096, 8192)] == ["sum_after", "epilogue"]
+    assert [choose(m, 6144, fp8=True) for m in (2048, 4096)] == ["sum_after", "epilogue"]
+    assert choose(1 << 20, 2048, fp8=True) == "sum_after"  # FP8 K = 2048: never
     assert gemm_rs_cuda.piece_bounds(2048, 2) == [(0, 1024), (1024, 2048)]
     assert gemm_rs_cuda.piece_bounds(1000, 3) == [(0, 384), (384, 640), (640, 1000)]
     monkeypatch.setenv(gemm_rs_cuda.PIECES_ENV, "0")
     with pytest.raises(ValueError, match="MINIMAX_GEMM_RS_PIECES='0'"):
         gemm_rs_cuda.push_pieces(4096, 2048)
+    monkeypatch.setenv(gemm_rs_cuda.SCHEDULE_ENV, "fast")
+    with pytest.raises(ValueError, match="MINIMAX_GEMM_RS_SCHEDULE='fast'"):
+        gemm_rs_cuda.choose_schedule(4096, 2048)
 
 
-def test_schedule_fp8():
+def test_schedule_fp8(schedule):
     world, tokens = 4, 37
     g = torch.Generator().manual_seed(0)
     xs, xss, wqs, wss = [], [], [], []
