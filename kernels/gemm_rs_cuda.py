@@ -25,7 +25,9 @@ The final sum of sum_after costs a pass over [m, N] after the last GEMM (about
 overlap hides; the epilogue schedule removes it, at the price of a barrier and
 an event wait per piece and smaller GEMMs, which pays for large GEMMs only.
 
-The copies are plain ``Tensor.copy_`` into the peer's buffer mapped in our
+``MINIMAX_GEMM_RS_PUSH=store`` makes the GEMMs write the peers' slots
+directly instead (see push_mode; slower on the H200). The copies are plain
+``Tensor.copy_`` into the peer's buffer mapped in our
 address space, i.e. ``cudaMemcpyAsync`` on the copy engine: no SMs are taken
 from the GEMM, and no NVLink multicast / multimem instruction is used
 (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set before the first allocation
@@ -68,6 +70,7 @@ __all__ = ["fused_available", "gemm_rs_fused", "prepare", "push_pieces", "piece_
 DISABLE_ENV = "MINIMAX_GEMM_RS_FUSED"  # "0": always matmul + reduce-scatter
 PIECES_ENV = "MINIMAX_GEMM_RS_PIECES"  # pieces per row block (default: push_pieces)
 SCHEDULE_ENV = "MINIMAX_GEMM_RS_SCHEDULE"  # auto (default), epilogue or sum_after
+PUSH_ENV = "MINIMAX_GEMM_RS_PUSH"  # copy (default: copy engine) or store (the GEMM writes the peer's slot)
 EPILOGUE_MIN_WORK = 12 << 20  # M' x K_eff from which the epilogue schedule is faster (see choose_schedule)
 EPILOGUE_MIN_K = 2048  # K_eff below which it never is
 FP8_K_FACTOR = 0.6  # an FP8 GEMM takes about as long as a BF16 one of 0.6 x its K (N = 6144, H200)
@@ -87,7 +90,7 @@ class _Workspace:
     rows: int  # output rows per rank (m)
     sym: torch.Tensor  # [W, m, N] symmetric: slot s = rank s's partial of my rows
     peers: list  # peers[d] = rank d's `sym`, mapped here ([W, m, N])
-    stage: torch.Tensor  # [W, m, N] local: GEMM output bound for rank d (slot d; own slot unused)
+    stage: Optional[torch.Tensor]  # [W, m, N] local: GEMM output bound for rank d (copy push only; made on first use)
     handle: object = None  # the _SymmetricMemory handle (barrier)
     comm: Optional[torch.cuda.Stream] = None  # side stream for the copies
     arrived: list = field(default_factory=list)  # arrived[p]: event on `comm` after piece p's barrier
@@ -185,7 +188,7 @@ def _workspace(rows: int, n: int, dtype: torch.dtype, group_name: str, device: t
     peers = [sym if d == handle.rank else _peer_view(handle, d, shape, dtype) for d in range(world)]
     ws = _Workspace(
         rank=handle.rank, world=world, rows=rows, sym=sym, peers=peers,
-        stage=torch.empty(shape, dtype=dtype, device=device), handle=handle,
+        stage=None, handle=handle,
         comm=torch.cuda.Stream(device=device),
     )
     _WORKSPACES[key] = ws
@@ -327,23 +330,43 @@ def piece_bounds(rows: int, pieces: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
+def push_mode() -> str:
+    """'copy': GEMM into a local stage, the copy engine pushes it; 'store': the GEMM writes
+    the peer's slot itself, over NVLink (no stage, no copy engine, but the main stream waits
+    for the start barrier). Measured on 2 x H200 (tools/results/2026-11-30_h200x2_gemm_rs_push.json):
+    store is slower nearly everywhere (BF16 K = 4096, M = 4096: 370 vs 306 us; FP8 K = 2048,
+    M = 8192: 337 vs 252), even at M = 32768 (within 3%): cuBLAS's epilogue stores to NVLink
+    hold the GEMM up. Kept as the option to re-measure on other NVLink generations."""
+    mode = os.environ.get(PUSH_ENV, "copy")
+    if mode not in ("copy", "store"):
+        raise ValueError(f"{PUSH_ENV}={mode!r}: use copy (the default) or store")
+    return mode
+
+
 def push_partials(ws: _Workspace, gemm: Callable, tokens: int, pieces: list[tuple[int, int]],
-                  mark_pieces: bool) -> None:
+                  mark_pieces: bool, store: bool = False) -> None:
     """Compute every peer's rows and send them, piece by piece, to the owner's slot [my rank].
 
     With mark_pieces, a barrier on the side stream after each piece: when it passes, that
-    piece of every peer's partial sums has landed in my slots (ws.arrived[p])."""
+    piece of every peer's partial sums has landed in my slots (ws.arrived[p]). With store,
+    the GEMM writes straight into the peer's slot (the caller has joined the start barrier)."""
     ws.pushes = []
+    if not store and ws.stage is None:
+        ws.stage = torch.empty_like(ws.sym)
     for p, (a, b) in enumerate(pieces):
         for step in range(1, ws.world):
             d = (ws.rank + step) % ws.world
             lo = d * ws.rows
-            gemm(lo + a, min(lo + b, tokens), ws.stage[d, a:b])
-            ws.fork()
-            with ws.side():
-                ws.peers[d][ws.rank, a:b].copy_(ws.stage[d, a:b], non_blocking=True)
+            if store:
+                gemm(lo + a, min(lo + b, tokens), ws.peers[d][ws.rank, a:b])
+            else:
+                gemm(lo + a, min(lo + b, tokens), ws.stage[d, a:b])
+                ws.fork()
+                with ws.side():
+                    ws.peers[d][ws.rank, a:b].copy_(ws.stage[d, a:b], non_blocking=True)
             ws.pushes.append((d, ws.rank, a, b))
         if mark_pieces:
+            ws.fork()  # after this piece's GEMMs (the stores) and copies
             with ws.side():
                 ws.barrier()
                 ws.mark_arrived(p)
@@ -386,11 +409,14 @@ def own_rows_epilogue(ws: _Workspace, gemm: Callable, tokens: int, pieces: list[
 
 
 def run_schedule(ws: _Workspace, gemm: Callable, tokens: int, k: int, fp8: bool, n: int, dtype, device) -> torch.Tensor:
-    """Everything after the first barrier; the CPU simulation in the tests calls it per rank."""
+    """Everything after the start barrier (which runs on the side stream)."""
     schedule = choose_schedule(ws.rows * ws.world, k, fp8)
     pieces = piece_bounds(ws.rows, push_pieces(ws.rows, k, schedule))
     ws.schedule = schedule
-    push_partials(ws, gemm, tokens, pieces, mark_pieces=schedule == "epilogue")
+    store = push_mode() == "store"
+    if store:  # the GEMMs write the peers' slots: only once every peer has finished reading them
+        ws.join()
+    push_partials(ws, gemm, tokens, pieces, mark_pieces=schedule == "epilogue", store=store)
     if schedule == "sum_after":
         return own_rows_sum_after(ws, gemm, tokens)
     return own_rows_epilogue(ws, gemm, tokens, pieces, torch.empty((ws.rows, n), dtype=dtype, device=device))

@@ -36,13 +36,18 @@ def _inputs(rank, tokens, k, n, fp8, device):
     return (xq, wq, xs, ws, None), torch.bfloat16
 
 
-def _schedule(name):
-    """Force the own-rows schedule of kernels/gemm_rs_cuda.py in this rank (read per call)."""
+# (schedule, push) of kernels/gemm_rs_cuda.py
+VARIANTS = [("sum_after", "copy"), ("epilogue", "copy"), ("sum_after", "store"), ("epilogue", "store")]
+
+
+def _variant(schedule, push):
+    """Force the own-rows schedule and the push of kernels/gemm_rs_cuda.py in this rank (read per call)."""
     import os
 
     from minimax_backend.kernels import gemm_rs_cuda
 
-    os.environ[gemm_rs_cuda.SCHEDULE_ENV] = name
+    os.environ[gemm_rs_cuda.SCHEDULE_ENV] = schedule
+    os.environ[gemm_rs_cuda.PUSH_ENV] = push
 
 
 def check_fused_equals_unfused(rank, world, group):
@@ -50,8 +55,8 @@ def check_fused_equals_unfused(rank, world, group):
 
     device = torch.device("cuda", rank)
     diffs = {}
-    for schedule in ("sum_after", "epilogue"):
-        _schedule(schedule)
+    for schedule, push in VARIANTS:
+        _variant(schedule, push)
         for fp8 in (False, True):
             for tokens in (37, 1000, 4099):  # odd counts: padded to a multiple of the world size
                 args, out_dtype = _inputs(rank, tokens, 512, 768, fp8, device)
@@ -61,7 +66,7 @@ def check_fused_equals_unfused(rank, world, group):
                 assert fused.shape == plain.shape == ((tokens + pad) // world, 768)
                 # one BF16 rounding apart at most (the epilogue adds before rounding, the sum after)
                 torch.testing.assert_close(fused, plain, rtol=1.6e-2, atol=1e-2)
-                diffs[f"{schedule}_{'fp8' if fp8 else 'bf16'}_{tokens}"] = (fused.float() - plain.float()).abs().max().item()
+                diffs[f"{schedule}_{push}_{'fp8' if fp8 else 'bf16'}_{tokens}"] = (fused.float() - plain.float()).abs().max().item()
     assert gemm_rs_cuda.workspace_count() > 0, "the fused path never ran"
     diffs["epilogue_add_unavailable"] = str(cublaslt_gemm.unavailable_reasons())
     return diffs
@@ -70,8 +75,8 @@ def check_fused_equals_unfused(rank, world, group):
 def check_cuda_graph_capture_and_replay(rank, world, group):
     device = torch.device("cuda", rank)
     diffs = {}
-    for schedule in ("sum_after", "epilogue"):
-        _schedule(schedule)
+    for schedule, push in VARIANTS:
+        _variant(schedule, push)
         for fp8 in (False, True):
             args, out_dtype = _inputs(rank, 4096, 1024, 1024, fp8, device)
             op = lambda: torch.ops.minimax.gemm_rs(*args, 0, 0, world, group, out_dtype=out_dtype)  # noqa: E731
@@ -89,7 +94,7 @@ def check_cuda_graph_capture_and_replay(rank, world, group):
                 graph.replay()
                 want = torch.ops.minimax.gemm_rs(*args, 0, 1 << 30, world, group, out_dtype=out_dtype)
                 torch.testing.assert_close(out, want, rtol=1.6e-2, atol=1e-2)
-                diffs[f"{schedule}_{'fp8' if fp8 else 'bf16'}_{trial}"] = (out.float() - want.float()).abs().max().item()
+                diffs[f"{schedule}_{push}_{'fp8' if fp8 else 'bf16'}_{trial}"] = (out.float() - want.float()).abs().max().item()
             del graph
     return diffs
 

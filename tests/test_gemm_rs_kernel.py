@@ -66,7 +66,8 @@ def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biase
                                        None if w_scales is None else w_scales[r],
                                        None if biases is None else biases[r], dtype)
         gemms.append(gemm)
-        gemm_rs_cuda.push_partials(ws, gemm, tokens, pieces, mark_pieces=schedule == "epilogue")
+        gemm_rs_cuda.push_partials(ws, gemm, tokens, pieces, mark_pieces=schedule == "epilogue",
+                                   store=gemm_rs_cuda.push_mode() == "store")
         # every peer got its whole block from this rank, in pieces that tile [0, rows), into slot [r]
         assert sorted(ws.pushes) == sorted((d, r, a, b) for d in range(world) if d != r for a, b in pieces)
         assert ws.marked == (list(range(len(pieces))) if schedule == "epilogue" else [])
@@ -88,6 +89,13 @@ def schedule(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["copy", "store"])
+def push(request, monkeypatch):
+    """Both ways a partial reaches its owner (copy engine from a stage, or the GEMM's own stores)."""
+    monkeypatch.setenv(gemm_rs_cuda.PUSH_ENV, request.param)
+    return request.param
+
+
 def _reference(partials, tokens, world):
     pad = -(-tokens // world) * world - tokens
     full = torch.stack([F.pad(p, (0, 0, 0, pad)) for p in partials])  # [W (source), M', N]
@@ -96,7 +104,7 @@ def _reference(partials, tokens, world):
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 @pytest.mark.parametrize("tokens", [1, 7, 37, 64])
-def test_schedule_matches_reduce_scatter(schedule, world, tokens):
+def test_schedule_matches_reduce_scatter(schedule, push, world, tokens):
     # small integers: every sum is exact, whatever order a GEMM or reduction adds in
     g = torch.Generator().manual_seed(world * 100 + tokens)
     ints = lambda *shape: torch.randint(-3, 4, shape, generator=g).float()  # noqa: E731
@@ -115,7 +123,7 @@ def test_schedule_matches_reduce_scatter(schedule, world, tokens):
 
 @pytest.mark.parametrize("pieces", ["1", "2", "3", "16"])
 @pytest.mark.parametrize("world,tokens", [(2, 2101), (3, 1537), (4, 4099)])
-def test_schedule_in_pieces_matches_reduce_scatter(schedule, monkeypatch, pieces, world, tokens):
+def test_schedule_in_pieces_matches_reduce_scatter(schedule, push, monkeypatch, pieces, world, tokens):
     """Blocks pushed in pieces (the last one partly padding rows); 16 is more than
     fits and is capped at one piece per 128 rows."""
     monkeypatch.setenv(gemm_rs_cuda.PIECES_ENV, pieces)
@@ -151,12 +159,15 @@ def test_default_pieces_and_bad_override(monkeypatch):
     monkeypatch.setenv(gemm_rs_cuda.PIECES_ENV, "0")
     with pytest.raises(ValueError, match="MINIMAX_GEMM_RS_PIECES='0'"):
         gemm_rs_cuda.push_pieces(4096, 2048)
+    monkeypatch.setenv(gemm_rs_cuda.PUSH_ENV, "nvlink")
+    with pytest.raises(ValueError, match="MINIMAX_GEMM_RS_PUSH='nvlink'"):
+        gemm_rs_cuda.push_mode()
     monkeypatch.setenv(gemm_rs_cuda.SCHEDULE_ENV, "fast")
     with pytest.raises(ValueError, match="MINIMAX_GEMM_RS_SCHEDULE='fast'"):
         gemm_rs_cuda.choose_schedule(4096, 2048)
 
 
-def test_schedule_fp8(schedule):
+def test_schedule_fp8(schedule, push):
     world, tokens = 4, 37
     g = torch.Generator().manual_seed(0)
     xs, xss, wqs, wss = [], [], [], []

@@ -11,7 +11,9 @@ FP8 (1x128 activation, 128x128 weight block scales), every rank times:
     ours      minimax::gemm_rs, overlapped path (min_tokens = 0); with --pieces,
               also ours with the row blocks computed in that many pieces; with
               --schedules, also ours with the own rows in each schedule
-              (epilogue / sum_after, see kernels/gemm_rs_cuda.py)
+              (epilogue / sum_after, see kernels/gemm_rs_cuda.py); with --push,
+              also ours with the partials pushed by the copy engine or stored
+              by the GEMM into the peer's memory
     torch     torch.ops.symm_mem.fused_matmul_reduce_scatter (BF16);
               fused_scaled_matmul_reduce_scatter with row-wise scales (FP8: the
               only scaling it takes; our block scales were refused); "-" where it fails
@@ -143,7 +145,7 @@ def _thresholds(rows, dtype):
 def job(rank: int, world: int, args) -> None:
     from minimax_backend.kernels.fp8 import quantize_weight_fp8
     from minimax_backend.kernels.cublaslt_gemm import unavailable_reasons
-    from minimax_backend.kernels.gemm_rs_cuda import PIECES_ENV, SCHEDULE_ENV
+    from minimax_backend.kernels.gemm_rs_cuda import PIECES_ENV, PUSH_ENV, SCHEDULE_ENV
     from minimax_backend.tools.bench_common import print_table, write_json
 
     t0 = time.time()
@@ -190,6 +192,8 @@ def job(rank: int, world: int, args) -> None:
                     row[f"ours_p{pieces}_us"] = _time_with_env(fns["ours"], PIECES_ENV, pieces, args)
                 for schedule in args.schedules:  # ours with the own rows in this schedule
                     row[f"ours_{schedule}_us"] = _time_with_env(fns["ours"], SCHEDULE_ENV, schedule, args)
+                for push in args.push:  # ours with the partials pushed this way
+                    row[f"ours_push_{push}_us"] = _time_with_env(fns["ours"], PUSH_ENV, push, args)
                 row["max_abs_diff"] = row["max_rel_diff"] = None
                 if "ours" in outs and "mm_rs" in outs:  # ours rounds once where mm_rs rounds twice (BF16 epilogue add)
                     diff = (outs["ours"].float() - outs["mm_rs"].float()).abs().max().item()
@@ -219,7 +223,7 @@ def job(rank: int, world: int, args) -> None:
         mode = "eager calls" if args.eager else f"CUDA-graph replays of {args.calls} calls"
         print_table(rows, ["dtype", "K", "M", "gemm_us", "mm_rs_us", "ours_us", "torch_us", "ours_vs_mm_rs",
                            "ours_vs_torch", "max_rel_diff"] + [f"ours_p{n}_us" for n in args.pieces]
-                    + [f"ours_{s}_us" for s in args.schedules],
+                    + [f"ours_{s}_us" for s in args.schedules] + [f"ours_push_{p}_us" for p in args.push],
                     title=f"GEMM + reduce-scatter, N={N}, {world} GPUs, medians of {args.repeats} {mode} (us)")
         for d, per_k in thresholds.items():
             for k, m in per_k.items():
@@ -233,6 +237,7 @@ def job(rank: int, world: int, args) -> None:
                                    "calls_per_graph": None if args.eager else args.calls,
                                    "pieces_env": os.environ.get(PIECES_ENV),
                                    "schedule_env": os.environ.get(SCHEDULE_ENV),
+                                   "push_env": os.environ.get(PUSH_ENV),
                                    "epilogue_add_unavailable": {str(k): v for k, v in unavailable_reasons().items()},
                                    "warmup": args.warmup, "repeats": args.repeats, "rows": rows,
                                    "thresholds": thresholds, "recommended_min_tokens": recommended,
@@ -255,14 +260,16 @@ def main(argv=None) -> None:
                    help="also time ours with the peer blocks pushed in each of these piece counts")
     p.add_argument("--schedules", nargs="*", default=[], choices=["epilogue", "sum_after"],
                    help="also time ours with the own rows in each of these schedules (MINIMAX_GEMM_RS_SCHEDULE)")
+    p.add_argument("--push", nargs="*", default=[], choices=["copy", "store"],
+                   help="also time ours with the partials pushed each of these ways (MINIMAX_GEMM_RS_PUSH)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs CUDA GPUs")
     if any(n < 1 for n in args.pieces):
         raise SystemExit("--pieces values must be at least 1")
-    if (args.pieces or args.schedules) and "ours" not in args.methods:
-        raise SystemExit("--pieces and --schedules time ours: keep 'ours' in --methods")
+    if (args.pieces or args.schedules or args.push) and "ours" not in args.methods:
+        raise SystemExit("--pieces, --schedules and --push time ours: keep 'ours' in --methods")
     if args.calls < 1:
         raise SystemExit("--calls must be at least 1")
     if args.tp < 2:
