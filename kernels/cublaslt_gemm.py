@@ -108,6 +108,7 @@ def _lib():
         lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_int, u64, u64, i64]
         lib.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(vp)]
         lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, ctypes.c_int, vp, sz]
+        lib.cublasLtMatmulPreferenceDestroy.argtypes = [vp]
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, ctypes.c_int,
                                                        ctypes.POINTER(_Heuristic), ctypes.POINTER(ctypes.c_int)]
         lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
@@ -177,8 +178,9 @@ def _plan(key: tuple, x: torch.Tensor, weight: torch.Tensor, c: torch.Tensor, ou
     _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
            "cublasLtMatmulPreferenceSetAttribute")
     result, found = _Heuristic(), ctypes.c_int(0)
-    _check(lib.cublasLtMatmulAlgoGetHeuristic(_HANDLE, desc, *layouts, pref, 1, ctypes.byref(result),
-                                              ctypes.byref(found)), "cublasLtMatmulAlgoGetHeuristic")
+    status = lib.cublasLtMatmulAlgoGetHeuristic(_HANDLE, desc, *layouts, pref, 1, ctypes.byref(result), ctypes.byref(found))
+    lib.cublasLtMatmulPreferenceDestroy(pref)
+    _check(status, "cublasLtMatmulAlgoGetHeuristic")
     if found.value < 1:
         raise _LtError("cuBLASLt offers no algorithm")
     plan = _Plan(desc=desc, layouts=layouts, algo=result.algo, fp8=fp8)
@@ -200,7 +202,8 @@ def _why_not(x, weight, c, out, x_scale, weight_scale) -> Optional[str]:
     m, k = x.shape
     if x.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
         return "FP8 inputs must be float8_e4m3fn"
-    if k % (4 * _BLOCK) or x_scale.shape != (m, k // _BLOCK) or weight_scale.shape[1] != k // _BLOCK:
+    if (k % (4 * _BLOCK) or x_scale.shape != (m, k // _BLOCK) or weight_scale.dim() != 2
+            or weight_scale.shape[1] != k // _BLOCK):
         return "block scales other than 1 x 128 / 128 x 128 with K a multiple of 512"
     if m % 4:  # the M-major activation scales need 16-byte rows, as in torch._scaled_mm
         return "rows not a multiple of 4"
