@@ -123,6 +123,7 @@ class _Workspace:
 
 _WORKSPACES: dict[tuple, _Workspace] = {}
 _FUSED_OK: dict[str, bool] = {}
+_SAID: set = set()  # run-time choices already logged
 
 
 def workspace_count() -> int:
@@ -414,6 +415,12 @@ def run_schedule(ws: _Workspace, gemm: Callable, tokens: int, k: int, fp8: bool,
     pieces = piece_bounds(ws.rows, push_pieces(ws.rows, k, schedule))
     ws.schedule = schedule
     store = push_mode() == "store"
+    said = (ws.rows, k, fp8, schedule, len(pieces), store)
+    if said not in _SAID:  # once per shape and choice: what the op does at run time
+        _SAID.add(said)
+        log.info("minimax: gemm_rs %d rows x K=%d %s on %d ranks: %s schedule, %d piece(s), %s push", ws.rows * ws.world,
+                 k, "FP8" if fp8 else str(dtype).replace("torch.", ""), ws.world, schedule, len(pieces),
+                 "GEMM-store" if store else "copy-engine")
     if store:  # the GEMMs write the peers' slots: only once every peer has finished reading them
         ws.join()
     push_partials(ws, gemm, tokens, pieces, mark_pieces=schedule == "epilogue", store=store)
