@@ -146,7 +146,6 @@ class _Plan:
     desc: ctypes.c_void_p
     layouts: tuple
     algo: _Algo
-    fp8: bool
 
 
 def _plan(key: tuple, x: torch.Tensor, weight: torch.Tensor, c: torch.Tensor, out: torch.Tensor,
@@ -154,7 +153,6 @@ def _plan(key: tuple, x: torch.Tensor, weight: torch.Tensor, c: torch.Tensor, ou
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
-    fp8 = scales is not None
     lib = _lib()
     m, k = x.shape
     n = weight.shape[0]
@@ -162,7 +160,7 @@ def _plan(key: tuple, x: torch.Tensor, weight: torch.Tensor, c: torch.Tensor, ou
     _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F), "cublasLtMatmulDescCreate")
     _set(lib, desc, _DESC_TRANSA, ctypes.c_int32(_OP_T))
     _set(lib, desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
-    if fp8:  # the heuristic checks the scale pointers too (status 7 without them on the H200)
+    if scales is not None:  # the heuristic checks the scale pointers too (status 7 without them on the H200)
         _set_scales(lib, desc, *scales)
         _set(lib, desc, _DESC_A_SCALE_MODE, ctypes.c_int32(_SCALE_BLK128X128_32F))
         _set(lib, desc, _DESC_B_SCALE_MODE, ctypes.c_int32(_SCALE_VEC128_32F))
@@ -183,7 +181,7 @@ def _plan(key: tuple, x: torch.Tensor, weight: torch.Tensor, c: torch.Tensor, ou
     _check(status, "cublasLtMatmulAlgoGetHeuristic")
     if found.value < 1:
         raise _LtError("cuBLASLt offers no algorithm")
-    plan = _Plan(desc=desc, layouts=layouts, algo=result.algo, fp8=fp8)
+    plan = _Plan(desc=desc, layouts=layouts, algo=result.algo)
     _PLANS[key] = plan
     return plan
 

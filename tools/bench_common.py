@@ -93,6 +93,13 @@ def graph_median_ms(fn: Callable[[], Any], calls: int = 10, warmup: int = 3, rep
     return median_ms(graphed(fn, calls), warmup, repeats) / calls
 
 
+def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row FP8 E4M3 quantization (the scaling torch's own FP8 ops take): data, float32 scales [rows]."""
+    amax = t.float().abs().amax(dim=-1).clamp(min=1e-12)
+    scale = amax / 448.0
+    return (t.float() / scale.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
 def _seed_of(name: str, seed: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 62) - 1)
 

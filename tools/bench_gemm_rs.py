@@ -52,12 +52,6 @@ def _log(rank: int, msg: str) -> None:
         print(f"[bench_gemm_rs {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _rowwise_fp8(t):
-    """(E4M3 data, float32 scale [rows, 1]): one scale per row."""
-    scale = (t.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
-    return (t.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
-
-
 def _methods(x, w, fp8_args, world, group):
     """{name: callable} for one shape; fp8_args = (xq, xs, wq, ws) or None."""
     from minimax_backend.kernels.gemm_rs import local_gemm
@@ -85,12 +79,15 @@ def _methods(x, w, fp8_args, world, group):
         # torch's FP8 op takes tensor-wise or row-wise scales only (our 1 x 128 / 128 x 128
         # blocks were refused there): time it row-wise, one scale per token and per output
         # channel, its own format. A timing comparison; its numbers are not ours.
-        xr, xr_s = _rowwise_fp8(x)
-        wr, wr_s = _rowwise_fp8(w)
+        from minimax_backend.tools.bench_common import rowwise_fp8
 
-        def torch_fused():
+        xr, xr_s = rowwise_fp8(x)
+        wr, wr_s = rowwise_fp8(w)
+
+        def torch_fused():  # scales as [M, 1] and [1, N]
             return torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
-                xr, wr.t(), xr_s, wr_s.t(), "sum", 0, 0, group, [xr.shape[0], wr.shape[0]], out_dtype=torch.bfloat16)
+                xr, wr.t(), xr_s[:, None], wr_s[None, :], "sum", 0, 0, group, [xr.shape[0], wr.shape[0]],
+                out_dtype=torch.bfloat16)
 
     return {"gemm": gemm, "mm_rs": mm_rs, "ours": ours, "torch": torch_fused}
 
@@ -157,6 +154,9 @@ def job(rank: int, world: int, args) -> None:
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
         symm_mem.enable_symm_mem_for_group(group)
     rows, failures = [], set()
+    variants = ([(f"ours_p{n}_us", PIECES_ENV, n) for n in args.pieces]  # (column, env var, value)
+                + [(f"ours_{s}_us", SCHEDULE_ENV, s) for s in args.schedules]
+                + [(f"ours_push_{p}_us", PUSH_ENV, p) for p in args.push])
     total = len(args.dtypes) * len(args.k) * len(args.m)
     for dtype in args.dtypes:
         for k in args.k:
@@ -188,12 +188,8 @@ def job(rank: int, world: int, args) -> None:
                     row[f"{name}_us"] = us
                 for name in set(METHODS) - set(args.methods):
                     row[f"{name}_us"] = None
-                for pieces in args.pieces:  # ours with the peer blocks pushed in this many pieces
-                    row[f"ours_p{pieces}_us"] = _time_with_env(fns["ours"], PIECES_ENV, pieces, args)
-                for schedule in args.schedules:  # ours with the own rows in this schedule
-                    row[f"ours_{schedule}_us"] = _time_with_env(fns["ours"], SCHEDULE_ENV, schedule, args)
-                for push in args.push:  # ours with the partials pushed this way
-                    row[f"ours_push_{push}_us"] = _time_with_env(fns["ours"], PUSH_ENV, push, args)
+                for column, env, value in variants:  # ours with one setting forced
+                    row[column] = _time_with_env(fns["ours"], env, value, args)
                 row["max_abs_diff"] = row["max_rel_diff"] = None
                 if "ours" in outs and "mm_rs" in outs:  # ours rounds once where mm_rs rounds twice (BF16 epilogue add)
                     diff = (outs["ours"].float() - outs["mm_rs"].float()).abs().max().item()
@@ -222,8 +218,7 @@ def job(rank: int, world: int, args) -> None:
     if rank == 0:
         mode = "eager calls" if args.eager else f"CUDA-graph replays of {args.calls} calls"
         print_table(rows, ["dtype", "K", "M", "gemm_us", "mm_rs_us", "ours_us", "torch_us", "ours_vs_mm_rs",
-                           "ours_vs_torch", "max_rel_diff"] + [f"ours_p{n}_us" for n in args.pieces]
-                    + [f"ours_{s}_us" for s in args.schedules] + [f"ours_push_{p}_us" for p in args.push],
+                           "ours_vs_torch", "max_rel_diff"] + [column for column, _, _ in variants],
                     title=f"GEMM + reduce-scatter, N={N}, {world} GPUs, medians of {args.repeats} {mode} (us)")
         for d, per_k in thresholds.items():
             for k, m in per_k.items():

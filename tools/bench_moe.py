@@ -50,6 +50,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from minimax_backend.tools.bench_common import rowwise_fp8
+
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 SXM dense
 HBM_BYTES_PER_S = 4.8e12
 DEFAULT_TOKENS = [1, 4, 16, 64, 128, 512, 1024, 4096, 8192, 16384]
@@ -78,13 +80,6 @@ def _timer(device: torch.device, warmup: int, repeats: int, barrier) -> Callable
 
 
 # ------------------------------------------------ torch grouped-GEMM experts
-def _rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row FP8 E4M3 quantization (what torch._scaled_grouped_mm takes): data, float32 scales."""
-    amax = t.float().abs().amax(dim=-1).clamp(min=1e-12)
-    scale = amax / 448.0
-    return (t.float() / scale.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn), scale
-
-
 class TorchGrouped:
     """Experts as torch._grouped_mm / torch._scaled_grouped_mm over stacked weights (built once)."""
 
@@ -94,7 +89,7 @@ class TorchGrouped:
         self.fp8 = fp8
         if fp8:  # re-quantize the 128 x 128 block weights per output row (the format torch takes)
             def rows(ws, ss):
-                qs, scales = zip(*(_rowwise_fp8(dequantize_weight_fp8(w, s)) for w, s in zip(ws, ss)))
+                qs, scales = zip(*(rowwise_fp8(dequantize_weight_fp8(w, s)) for w, s in zip(ws, ss)))
                 return torch.stack(qs), torch.stack(scales)
 
             self.w13, self.s13 = rows(w13, w13_scale)
@@ -104,7 +99,7 @@ class TorchGrouped:
 
     def _mm(self, a, w, s, offs):
         if self.fp8:
-            aq, sa = _rowwise_fp8(a)
+            aq, sa = rowwise_fp8(a)
             return torch._scaled_grouped_mm(aq, w.transpose(1, 2), sa, s, offs=offs, out_dtype=torch.bfloat16)
         return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
 
