@@ -31,10 +31,9 @@ The lead hooks this into the op (kernels/fp8.py) with:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .env import env_choice
 from .interpreter import triton_interpreting
 
 try:
@@ -55,10 +54,7 @@ _PAD_WEIGHT_SCALES: bool | None = None  # which scale_b layout this torch build 
 
 
 def _choice() -> str:
-    c = os.environ.get("MINIMAX_FP8_GEMM", "auto")
-    if c not in ("auto", "scaled_mm", "triton"):
-        raise ValueError(f"MINIMAX_FP8_GEMM={c!r}: use auto, scaled_mm or triton")
-    return c
+    return env_choice("MINIMAX_FP8_GEMM", "auto", ("auto", "scaled_mm", "triton"))
 
 
 def fp8_block_gemm_cuda(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,

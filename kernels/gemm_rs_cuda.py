@@ -62,6 +62,7 @@ from typing import Callable, Optional
 import torch
 
 from .cublaslt_gemm import try_matmul_add
+from .env import env_choice
 
 log = logging.getLogger("minimax")
 
@@ -94,7 +95,6 @@ class _Workspace:
     handle: object = None  # the _SymmetricMemory handle (barrier)
     comm: Optional[torch.cuda.Stream] = None  # side stream for the copies
     arrived: list = field(default_factory=list)  # arrived[p]: event on `comm` after piece p's barrier
-    schedule: str = ""  # of the last call: "epilogue" or "sum_after" (choose_schedule)
     pushes: list = field(default_factory=list)  # (dst, src) of the last call, for tests
 
     # Stream plumbing; the CPU simulation in the tests replaces these with no-ops.
@@ -214,10 +214,7 @@ def fused_available(group_name: str) -> bool:
     if ok is not None:
         return ok
     why = None
-    switch = os.environ.get(DISABLE_ENV, "1")
-    if switch not in ("0", "1"):
-        raise ValueError(f"{DISABLE_ENV}={switch!r}: use 1 (overlapped path, the default) or 0")
-    if switch == "0":
+    if env_choice(DISABLE_ENV, "1", ("1", "0")) == "0":
         why = f"{DISABLE_ENV}=0"
     elif not torch.cuda.is_available():
         why = "no CUDA"
@@ -297,9 +294,7 @@ def choose_schedule(tokens: int, k: int, fp8: bool = False) -> str:
     from M' x K_eff = 12 Mi with K_eff >= 2048 (BF16: M >= 8192 at K = 2048, 4096 at
     K = 4096, 2048 at K = 6144; FP8: M >= 8192 at K = 4096, 4096 at K = 6144, never at
     K = 2048, where the FP8 GEMM of a piece is shorter than the push before it)."""
-    env = os.environ.get(SCHEDULE_ENV, "auto")
-    if env not in ("auto", "epilogue", "sum_after"):
-        raise ValueError(f"{SCHEDULE_ENV}={env!r}: use auto, epilogue or sum_after")
+    env = env_choice(SCHEDULE_ENV, "auto", ("auto", "epilogue", "sum_after"))
     if env != "auto":
         return env
     k_eff = k * FP8_K_FACTOR if fp8 else k
@@ -338,10 +333,7 @@ def push_mode() -> str:
     store is slower nearly everywhere (BF16 K = 4096, M = 4096: 370 vs 306 us; FP8 K = 2048,
     M = 8192: 337 vs 252), even at M = 32768 (within 3%): cuBLAS's epilogue stores to NVLink
     hold the GEMM up. Kept as the option to re-measure on other NVLink generations."""
-    mode = os.environ.get(PUSH_ENV, "copy")
-    if mode not in ("copy", "store"):
-        raise ValueError(f"{PUSH_ENV}={mode!r}: use copy (the default) or store")
-    return mode
+    return env_choice(PUSH_ENV, "copy", ("copy", "store"))
 
 
 def push_partials(ws: _Workspace, gemm: Callable, tokens: int, pieces: list[tuple[int, int]],
@@ -413,7 +405,6 @@ def run_schedule(ws: _Workspace, gemm: Callable, tokens: int, k: int, fp8: bool,
     """Everything after the start barrier (which runs on the side stream)."""
     schedule = choose_schedule(ws.rows * ws.world, k, fp8)
     pieces = piece_bounds(ws.rows, push_pieces(ws.rows, k, schedule))
-    ws.schedule = schedule
     store = push_mode() == "store"
     said = (ws.rows, k, fp8, schedule, len(pieces), store)
     if said not in _SAID:  # once per shape and choice: what the op does at run time

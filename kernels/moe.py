@@ -51,12 +51,12 @@ to the reference without Triton or with MINIMAX_MOE_KERNEL=reference.
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from .env import env_choice
 from .fp8 import quantize_fp8_reference
 
 __all__ = [
@@ -216,17 +216,12 @@ def local_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, MoEWeights], torch.Tensor]
 
 
-def _partial(x, ids, weights, w: MoEWeights, experts: ExpertsFn) -> torch.Tensor:
-    """This rank's partial sum in x.dtype: routed experts (fp32, cast once) + shared slice."""
-    return w.partial(x, ids, weights, experts)
-
-
 def moe_reference(x: torch.Tensor, *args, experts: ExpertsFn = local_experts_reference,
                   weights_cls: type = MoEWeights) -> torch.Tensor:
     w = weights_cls(*args)
     _check(x, w)
     ids, weights = w.route(x)
-    return _partial(x, ids, weights, w, experts)
+    return w.partial(x, ids, weights, experts)
 
 
 # ------------------------------------------------------------- distribution
@@ -350,7 +345,7 @@ def mega_moe_reference(x: torch.Tensor, *args, experts: ExpertsFn = local_expert
     if tp == 1:  # one device: the block itself, on the real rows
         if x.shape[0] < num_tokens:
             raise ValueError(f"minimax mega_moe: {x.shape[0]} rows cannot hold {num_tokens} tokens")
-        out = _partial(x[:num_tokens], *w.route(x[:num_tokens]), w, experts)
+        out = w.partial(x[:num_tokens], *w.route(x[:num_tokens]), experts)
         return _pad_rows(out, x.shape[0]) if output_sharded else out
     rank = _resolve(group_name).rank()
     _, moe_tp = _layout(w, tp, rank)
@@ -375,7 +370,7 @@ def mega_moe_reference(x: torch.Tensor, *args, experts: ExpertsFn = local_expert
             x_all = x
             ids_all, w_all = w.route(x)
         # Exactly the eager block's partial sum on this rank ...
-        partial = _partial(x_all, ids_all, w_all, w, experts)
+        partial = w.partial(x_all, ids_all, w_all, experts)
         # ... and the reduce-scatter the sequence-parallel graph ended with.
         out_shard = _reduce_scatter(_pad_rows(partial, t * tp), tp, group_name)
     else:
@@ -439,10 +434,7 @@ def _gpu_path(reference):
     the plain-torch experts (e.g. to compare on the GPU)."""
 
     def impl(x, *args):
-        kernel = os.environ.get("MINIMAX_MOE_KERNEL", "triton")
-        if kernel not in ("triton", "reference"):
-            raise ValueError(f"MINIMAX_MOE_KERNEL={kernel!r}: expected 'triton' or 'reference'")
-        if kernel == "reference":
+        if env_choice("MINIMAX_MOE_KERNEL", "triton", ("triton", "reference")) == "reference":
             return reference(x, *args)
         try:
             from . import moe_triton

@@ -21,11 +21,10 @@ may differ from torch's CUDA kernels in the last bit.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from .env import env_choice
 from .interpreter import triton_interpreting
 
 try:
@@ -43,10 +42,7 @@ _MODES = ("triton", "torch")
 
 def route_mode() -> str:
     """MINIMAX_MOE_ROUTE: triton (default) or torch (the op-for-op path, to compare)."""
-    mode = os.environ.get("MINIMAX_MOE_ROUTE", "triton")
-    if mode not in _MODES:
-        raise ValueError(f"MINIMAX_MOE_ROUTE={mode!r}: expected one of {_MODES}")
-    return mode
+    return env_choice("MINIMAX_MOE_ROUTE", "triton", _MODES)
 
 
 def route_fits(x: torch.Tensor, num_experts: int, top_k: int) -> bool:

@@ -59,6 +59,7 @@ from typing import Optional
 
 import torch
 
+from .env import env_choice
 from .fp8 import FP8_DTYPE
 from .interpreter import triton_interpreting as _interpreting
 from .moe import MoEWeights, gated_mlp
@@ -174,9 +175,7 @@ def _align(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int, sh
     (equal output, one launch instead of ~40: one H200, FP8, one MoE layer at
     1 token 0.262 -> 0.191 ms, 2026-11-30); MINIMAX_MOE_ALIGN=torch keeps the
     torch sort everywhere (to compare)."""
-    mode = os.environ.get("MINIMAX_MOE_ALIGN", "triton")
-    if mode not in _ALIGN_MODES:
-        raise ValueError(f"MINIMAX_MOE_ALIGN={mode!r}: expected one of {_ALIGN_MODES}")
+    mode = env_choice("MINIMAX_MOE_ALIGN", "triton", _ALIGN_MODES)
     if mode == "triton" and (ids.is_cuda or _interpreting()):
         from .moe_align_triton import align_by_expert_triton, align_fits
 
@@ -628,10 +627,7 @@ def shared_in_grouped_launch(tokens: int, top_k: int, num_experts: int, fp8: boo
     of tokens) needs the down kernel's second K loop with fewer pipeline stages, and was
     slower there (EP 2, 4096 tokens per rank: FP8 3.40 -> 3.73 ms, BF16 4.87 -> 5.55;
     2 x H200, 2026-11-30): those sizes keep the separate launches."""
-    mode = os.environ.get("MINIMAX_MOE_SHARED", "merged")
-    if mode not in ("merged", "separate"):
-        raise ValueError(f"MINIMAX_MOE_SHARED={mode!r}: expected 'merged' or 'separate'")
-    if mode == "separate":
+    if env_choice("MINIMAX_MOE_SHARED", "merged", ("merged", "separate")) == "separate":
         return False
     return shared_width == width or tile_config(tokens, top_k, num_experts, fp8, float32)["BM"] <= 64
 
@@ -686,7 +682,6 @@ class TritonMoEWeights(MoEWeights):
         if x.shape[0] == 0 or not supported(x, sh):
             return gated_mlp(x, self.shared_w13, self.shared_w2, self.shared_w13_scale, self.shared_w2_scale,
                              self.activation, self.alpha, self.limit, self.beta, self.group)
-        ids = torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device)
-        ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+        ids, ones = _shared_column(x.shape[0], 0, x.device)  # the one expert, weight 1 (cached)
         return grouped_gated_mlp(x, ids, ones, sh.w13, sh.w2, sh.w13_scale, sh.w2_scale, 0, self.activation,
                                  self.alpha, self.limit, self.beta, 1, single_expert=True).to(x.dtype)

@@ -89,22 +89,22 @@ def tile_groups(n_groups: int, split: bool) -> tuple[int, int]:
     return (first, rest) if rest & (rest - 1) == 0 else (one, 0)
 
 
-def launch_config(k: int, group_size: int, m: int, allow_split: bool = True) -> dict:
-    """Rows per program, warps and tiles for a row of K values (a heuristic; the benchmark sweeps).
-    allow_split=False: for a launch that always uses one tile (quantize-only)."""
-    ng = triton.next_power_of_2(k // group_size)
-    tile = ng * group_size
+def launch_config(k: int, group_size: int, m: int, split: bool | None = None) -> dict:
+    """Rows per program, warps and tiles (NG, NG_B: tile_groups) for a row of K values (a
+    heuristic; the benchmark sweeps). split: None = two exact tiles where the group count
+    allows; False = one tile (quantize-only, or forced); True = as None (forced)."""
+    ng, ng_b = tile_groups(k // group_size, split is not False)
+    tile = triton.next_power_of_2(k // group_size) * group_size
     rows = max(1, min(16, 2048 // tile))  # narrow rows: several per program
     warps = 1 if tile <= 256 else 2 if tile <= 512 else 4 if tile <= 2048 else 8 if tile <= 8192 else 16
     # Two exact tiles instead of one padded one where the group count allows (6144 = 32 + 16
     # groups): measured on the H200 at hidden 6144, 2026-11-30, 8 warps, one row per program:
     # 0.050 / 0.094 / 0.182 ms at M = 4096 / 8192 / 16384 against 0.055 / 0.101 / 0.196 for
     # the best one-tile launch (tools/results/2026-11-30_h200_norm_quant_split.json).
-    split = allow_split and tile_groups(k // group_size, True)[1] > 0
-    if not split and 2048 < tile <= 8192 and m >= 4096:
+    if ng_b == 0 and 2048 < tile <= 8192 and m >= 4096:
         # one padded tile: 4 warps beat 8 by 8-9% at M = 4096-16384 (same card and day)
         warps = 4
-    return {"ROWS": rows, "NG": ng, "num_warps": warps, "SPLIT": split}
+    return {"ROWS": rows, "NG": ng, "NG_B": ng_b, "num_warps": warps, "SPLIT": ng_b > 0}
 
 
 if HAVE_TRITON:
@@ -260,9 +260,8 @@ def rms_norm_quant_fp8_triton(
     s = torch.empty((m, k // group_size), dtype=torch.float32, device=x.device)
     y = torch.empty((m, k), dtype=x.dtype, device=x.device) if want_bf16_output else x.new_empty(0)
     r = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else x.new_empty(0)
-    cfg = launch_config(k, group_size, m)
+    cfg = launch_config(k, group_size, m, split=split_tiles)
     rows = rows_per_program or cfg["ROWS"]
-    ng, ng_b = tile_groups(k // group_size, cfg["SPLIT"] if split_tiles is None else split_tiles)
     if m > 0:
         _rms_norm_quant_fp8_kernel[(triton.cdiv(m, rows),)](
             x2, res2 if res2 is not None else x2, weight,
@@ -271,7 +270,7 @@ def rms_norm_quant_fp8_triton(
             x2.stride(0), res2.stride(0) if res2 is not None else 0, q.stride(0), s.stride(0),
             y.stride(0) if want_bf16_output else 0, r.stride(0) if residual is not None else 0,
             float(eps),
-            G=group_size, NG=ng, NG_B=ng_b, ROWS=rows,
+            G=group_size, NG=cfg["NG"], NG_B=cfg["NG_B"], ROWS=rows,
             HAS_RESIDUAL=residual is not None, GEMMA=bool(gemma), WANT_Y=bool(want_bf16_output),
             ROUND_BF16=x.dtype == torch.bfloat16, NORM=True,
             num_warps=num_warps or cfg["num_warps"],
@@ -301,14 +300,14 @@ def quantize_fp8_triton(x: torch.Tensor, group_size: int = 128, num_warps: int |
     m = x2.shape[0]
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, k // group_size), dtype=torch.float32, device=x.device)
-    cfg = launch_config(k, group_size, m, allow_split=False)
+    cfg = launch_config(k, group_size, m, split=False)
     if m > 0:
         _rms_norm_quant_fp8_kernel[(triton.cdiv(m, cfg["ROWS"]),)](
             x2, x2, x2, q, s, q, q,
             m, float(k), k // group_size,
             x2.stride(0), 0, q.stride(0), s.stride(0), 0, 0,
             0.0,
-            G=group_size, NG=cfg["NG"], NG_B=0, ROWS=cfg["ROWS"],
+            G=group_size, NG=cfg["NG"], NG_B=cfg["NG_B"], ROWS=cfg["ROWS"],
             HAS_RESIDUAL=False, GEMMA=False, WANT_Y=False, ROUND_BF16=False, NORM=False,
             num_warps=num_warps or cfg["num_warps"],
         )
