@@ -57,7 +57,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -235,22 +235,49 @@ def fused_available(group_name: str) -> bool:
 
 
 # ------------------------------------------------------------------- the op
-def _rows_gemm(x, weight, x_scale, weight_scale, bias, out_dtype) -> Callable:
+class _RowsGemm:
     """gemm(lo, hi, out, add=None): out[:hi-lo] = x[lo:hi] @ weight.T (+ bias) (+ add[:hi-lo]);
     the padding rows of out are 0 (+ add's).
 
     Every GEMM writes its rows in place (cuBLAS `out=`), so a row block costs no extra copy;
     `add` goes into the GEMM's epilogue where cuBLASLt takes it (kernels/cublaslt_gemm.py)."""
 
-    def gemm(lo: int, hi: int, out: torch.Tensor, add: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, x, weight, x_scale, weight_scale, bias, out_dtype):
+        self.x, self.weight, self.x_scale, self.weight_scale = x, weight, x_scale, weight_scale
+        self.bias, self.out_dtype = bias, out_dtype
+        self._laid_out: dict[tuple[int, int], torch.Tensor] = {}  # (lo, hi) -> x_scale[lo:hi], M-major
+        self.scale_transposes = 0  # GEMMs that transposed their own scales (for tests)
+
+    def lay_out_scales(self, length: Optional[int]) -> None:
+        """FP8: transpose the activation scales of every run of `length` rows in one kernel.
+
+        cuBLAS takes each GEMM's scales M-major ([K/128, rows] contiguous). Transposed per
+        GEMM, that is one small kernel on the main stream before each GEMM (four per call
+        with two pieces on two ranks), in the gaps the overlap cannot hide."""
+        if self.x_scale is None or not length or self.x_scale.shape[0] % length:
+            return
+        runs, groups = self.x_scale.shape[0] // length, self.x_scale.shape[1]
+        laid = self.x_scale.float().reshape(runs, length, groups).transpose(1, 2).contiguous()
+        self._laid_out = {(i * length, (i + 1) * length): laid[i].t() for i in range(runs)}
+
+    def _scales(self, lo: int, hi: int) -> Optional[torch.Tensor]:
+        if self.x_scale is None:
+            return None
+        laid = self._laid_out.get((lo, hi))
+        if laid is None:
+            self.scale_transposes += 1
+            return self.x_scale[lo:hi]
+        return laid  # [rows, K/128] with strides (1, rows): the GEMMs' .t().contiguous() is free
+
+    def __call__(self, lo: int, hi: int, out: torch.Tensor, add: Optional[torch.Tensor] = None) -> None:
         real = max(0, hi - lo)
         if real:
             dst = out[:real]
-            rows_scale = None if x_scale is None else x_scale[lo:hi]
-            fused = (add is not None and bias is None and x.is_cuda
-                     and try_matmul_add(x[lo:hi], weight, add[:real], dst, rows_scale, weight_scale))
+            rows_scale = self._scales(lo, hi)
+            fused = (add is not None and self.bias is None and self.x.is_cuda
+                     and try_matmul_add(self.x[lo:hi], self.weight, add[:real], dst, rows_scale, self.weight_scale))
             if not fused:
-                _plain_gemm(x[lo:hi], weight, rows_scale, weight_scale, bias, out_dtype, dst)
+                _plain_gemm(self.x[lo:hi], self.weight, rows_scale, self.weight_scale, self.bias, self.out_dtype, dst)
                 if add is not None:
                     dst.add_(add[:real])
         if real < out.shape[0]:
@@ -259,7 +286,12 @@ def _rows_gemm(x, weight, x_scale, weight_scale, bias, out_dtype) -> Callable:
             else:
                 out[real:].copy_(add[real:])
 
-    return gemm
+
+def equal_runs(tokens: int, world: int, rows: int, pieces: list[tuple[int, int]]) -> Optional[int]:
+    """The common length of every GEMM's rows when they cut x into equal runs (no padding
+    rows, pieces of one length), else None: then _RowsGemm.lay_out_scales applies."""
+    lengths = {b - a for a, b in pieces}
+    return lengths.pop() if len(lengths) == 1 and tokens == rows * world else None
 
 
 def _plain_gemm(x, weight, x_scale, weight_scale, bias, out_dtype, dst) -> None:
@@ -336,7 +368,7 @@ def push_mode() -> str:
     return env_choice(PUSH_ENV, "copy", ("copy", "store"))
 
 
-def push_partials(ws: _Workspace, gemm: Callable, tokens: int, pieces: list[tuple[int, int]],
+def push_partials(ws: _Workspace, gemm: _RowsGemm, tokens: int, pieces: list[tuple[int, int]],
                   mark_pieces: bool, store: bool = False) -> None:
     """Compute every peer's rows and send them, piece by piece, to the owner's slot [my rank].
 
@@ -365,7 +397,7 @@ def push_partials(ws: _Workspace, gemm: Callable, tokens: int, pieces: list[tupl
                 ws.mark_arrived(p)
 
 
-def own_rows_sum_after(ws: _Workspace, gemm: Callable, tokens: int) -> torch.Tensor:
+def own_rows_sum_after(ws: _Workspace, gemm: _RowsGemm, tokens: int) -> torch.Tensor:
     """sum_after: GEMM my rows into my slot beside the last push; after the barrier, sum the W slots.
 
     Summing each piece on the side stream beside the next GEMM was measured slower on
@@ -380,7 +412,7 @@ def own_rows_sum_after(ws: _Workspace, gemm: Callable, tokens: int) -> torch.Ten
     return ws.sym.sum(dim=0)  # fp32 accumulation, one rounding
 
 
-def own_rows_epilogue(ws: _Workspace, gemm: Callable, tokens: int, pieces: list[tuple[int, int]],
+def own_rows_epilogue(ws: _Workspace, gemm: _RowsGemm, tokens: int, pieces: list[tuple[int, int]],
                       out: torch.Tensor) -> torch.Tensor:
     """epilogue: out = my rows of the sum over ranks, piece by piece as the peers' partials arrive.
 
@@ -401,7 +433,7 @@ def own_rows_epilogue(ws: _Workspace, gemm: Callable, tokens: int, pieces: list[
     return out
 
 
-def run_schedule(ws: _Workspace, gemm: Callable, tokens: int, k: int, fp8: bool, n: int, dtype, device) -> torch.Tensor:
+def run_schedule(ws: _Workspace, gemm: _RowsGemm, tokens: int, k: int, fp8: bool, n: int, dtype, device) -> torch.Tensor:
     """Everything after the start barrier (which runs on the side stream)."""
     schedule = choose_schedule(ws.rows * ws.world, k, fp8)
     pieces = piece_bounds(ws.rows, push_pieces(ws.rows, k, schedule))
@@ -412,6 +444,7 @@ def run_schedule(ws: _Workspace, gemm: Callable, tokens: int, k: int, fp8: bool,
         log.info("minimax: gemm_rs %d rows x K=%d %s on %d ranks: %s schedule, %d piece(s), %s push", ws.rows * ws.world,
                  k, "FP8" if fp8 else str(dtype).replace("torch.", ""), ws.world, schedule, len(pieces),
                  "GEMM-store" if store else "copy-engine")
+    gemm.lay_out_scales(equal_runs(tokens, ws.world, ws.rows, pieces))
     if store:  # the GEMMs write the peers' slots: only once every peer has finished reading them
         ws.join()
     push_partials(ws, gemm, tokens, pieces, mark_pieces=schedule == "epilogue", store=store)
@@ -428,7 +461,7 @@ def gemm_rs_fused(x, weight, x_scale, weight_scale, bias, pad_rows: int, group_s
     ws = _workspace(rows, n, dtype, group_name, x.device)
     if ws.world != group_size:
         raise RuntimeError(f"minimax::gemm_rs: group {group_name!r} has {ws.world} ranks, the op says {group_size}")
-    gemm = _rows_gemm(x, weight, x_scale, weight_scale, bias, dtype)
+    gemm = _RowsGemm(x, weight, x_scale, weight_scale, bias, dtype)
     # Before the first push, every rank must be done reading its slots (the
     # previous call's own-rows GEMMs and sums). That barrier runs on the side
     # stream, after it waits for our own earlier work, so the first GEMM need

@@ -62,9 +62,10 @@ def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biase
     assert pieces[0][0] == 0 and pieces[-1][1] == rows and all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
     gemms = []
     for r, ws in enumerate(workspaces):
-        gemm = gemm_rs_cuda._rows_gemm(xs[r], weights[r], None if x_scales is None else x_scales[r],
-                                       None if w_scales is None else w_scales[r],
-                                       None if biases is None else biases[r], dtype)
+        gemm = gemm_rs_cuda._RowsGemm(xs[r], weights[r], None if x_scales is None else x_scales[r],
+                                      None if w_scales is None else w_scales[r],
+                                      None if biases is None else biases[r], dtype)
+        gemm.lay_out_scales(gemm_rs_cuda.equal_runs(tokens, world, rows, pieces))  # as run_schedule does
         gemms.append(gemm)
         gemm_rs_cuda.push_partials(ws, gemm, tokens, pieces, mark_pieces=schedule == "epilogue",
                                    store=gemm_rs_cuda.push_mode() == "store")
@@ -79,6 +80,7 @@ def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biase
         else:
             out = torch.full((rows, weights[0].shape[0]), float("nan"), dtype=dtype)
             outs.append(gemm_rs_cuda.own_rows_epilogue(ws, gemm, tokens, pieces, out))
+    _simulate.gemms = gemms  # for tests that look at how each rank's GEMMs got their scales
     return outs
 
 
@@ -167,9 +169,9 @@ def test_default_pieces_and_bad_override(monkeypatch):
         gemm_rs_cuda.choose_schedule(4096, 2048)
 
 
-def test_schedule_fp8(schedule, push):
-    world, tokens = 4, 37
-    g = torch.Generator().manual_seed(0)
+def _check_fp8_schedule(world, tokens, seed):
+    """Simulate FP8 inputs (K = 256) through the schedule and compare with per-rank GEMMs + reduce-scatter."""
+    g = torch.Generator().manual_seed(seed)
     xs, xss, wqs, wss = [], [], [], []
     for _ in range(world):
         q, s = torch.ops.minimax.quantize_fp8(torch.randn(tokens, 256, generator=g), 128)
@@ -180,6 +182,32 @@ def test_schedule_fp8(schedule, push):
                       tokens, world)
     for r in range(world):  # the row-block GEMMs may add in another order than one big GEMM
         torch.testing.assert_close(got[r], want[r], rtol=1e-5, atol=1e-4)
+
+
+def test_schedule_fp8(schedule, push):
+    _check_fp8_schedule(world=4, tokens=37, seed=0)
+
+
+@pytest.mark.parametrize("world,tokens,equal_runs", [
+    (2, 1024, True), (4, 2048, True),
+    (2, 1030, False),  # pieces of 256 and 259 rows
+    (4, 2046, False),  # two padding rows
+])
+def test_fp8_scales_transposed_once_per_call(schedule, world, tokens, equal_runs):
+    """Where the GEMMs cut x into equal runs (no padding, equal pieces), the activation
+    scales are laid out for all of them in one go; elsewhere each GEMM transposes its own.
+    The result is the same either way."""
+    _check_fp8_schedule(world, tokens, seed=tokens)
+    rows = -(-tokens // world)
+    pieces = gemm_rs_cuda.piece_bounds(rows, gemm_rs_cuda.push_pieces(rows, 256, schedule))
+    gemm_calls = world * len(pieces) if schedule == "epilogue" else (world - 1) * len(pieces) + 1
+    if not equal_runs:  # every GEMM transposes its own scales
+        want_transposes = gemm_calls
+    elif schedule == "epilogue" or len(pieces) == 1:
+        want_transposes = 0
+    else:  # sum_after's own rows are one GEMM over two pieces' rows
+        want_transposes = 1
+    assert [gemm.scale_transposes for gemm in _simulate.gemms] == [want_transposes] * world
 
 
 def test_first_call_during_capture_is_a_clear_error(monkeypatch):
