@@ -93,6 +93,19 @@ def graph_median_ms(fn: Callable[[], Any], calls: int = 10, warmup: int = 3, rep
     return median_ms(graphed(fn, calls), warmup, repeats) / calls
 
 
+def gpu_timeline(events) -> list[dict[str, Any]]:
+    """The GPU kernels and copies among torch.profiler events (``prof.events()``), in start
+    order: start (us after the first starts), us (duration), stream, name. For a schedule
+    spread over several streams this shows what runs beside what and where the gaps are."""
+    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    if not gpu:
+        return []
+    t0 = gpu[0].time_range.start
+    return [{"start": round(e.time_range.start - t0, 1), "us": round(e.time_range.elapsed_us(), 1),
+             "stream": e.device_resource_id, "name": e.name} for e in gpu]
+
+
 def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row FP8 E4M3 quantization (the scaling torch's own FP8 ops take): data, float32 scales [rows]."""
     amax = t.float().abs().amax(dim=-1).clamp(min=1e-12)

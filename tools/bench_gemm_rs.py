@@ -24,7 +24,11 @@ CUDA graph and a replay's time is divided by them (how the model runs: no CPU
 launch cost, and the ranks stay in step from one collective to the next, as
 they do layer after layer; a single call per replay also counts the ranks'
 launch skew, 25-70 us measured on 2 x H200, in every collective method).
-`--calls 1` times one call per replay, `--eager` plain calls. Prints one
+`--calls 1` times one call per replay, `--eager` plain calls. `--trace` also
+records one replay of ours per shape with torch.profiler and writes its GPU
+timeline (every kernel and copy: start, duration, stream, name) into the
+JSON row as `ours_trace`, with a kernels-per-call summary in the progress
+line. Prints one
 progress line per shape, the table, the smallest M at which ours beats
 mm_rs from there on for each K (the `gemm_rs_min_tokens` recommendation), and
 writes JSON with the hardware. The ranks leave through tools/launch.py (a
@@ -103,6 +107,26 @@ def _time(fn, args) -> float | None:
         return median_ms(replay, args.warmup, args.repeats, dist.barrier) * 1e3 / args.calls
     finally:
         del replay  # frees the graph and its pool before the next shape
+
+
+def _trace(fn, args) -> list[dict]:
+    """GPU timeline of one CUDA-graph replay of `args.calls` calls of fn (bench_common.gpu_timeline)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minimax_backend.tools.bench_common import graphed, gpu_timeline
+
+    replay = graphed(fn, args.calls, before_capture=dist.barrier, capture_error_mode="thread_local")
+    try:
+        for _ in range(args.warmup):
+            replay()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            replay()
+            torch.cuda.synchronize()
+        return gpu_timeline(prof.events())
+    finally:
+        del replay
 
 
 def _time_with_env(fn, name: str, value, args) -> float:
@@ -190,6 +214,10 @@ def job(rank: int, world: int, args) -> None:
                     row[f"{name}_us"] = None
                 for column, env, value in variants:  # ours with one setting forced
                     row[column] = _time_with_env(fns["ours"], env, value, args)
+                trace_note = ""
+                if args.trace and row["ours_us"] is not None:  # the same on every rank (a collective)
+                    row["ours_trace"] = _trace(fns["ours"], args)
+                    trace_note = f" (trace: {len(row['ours_trace']) / args.calls:.0f} kernels + copies a call)"
                 row["max_abs_diff"] = row["max_rel_diff"] = None
                 if "ours" in outs and "mm_rs" in outs:  # ours rounds once where mm_rs rounds twice (BF16 epilogue add)
                     diff = (outs["ours"].float() - outs["mm_rs"].float()).abs().max().item()
@@ -203,7 +231,7 @@ def job(rank: int, world: int, args) -> None:
                 fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
                 _log(rank, f"[{len(rows)}/{total}] {dtype} K={k} M={m}: gemm {fmt(r['gemm_us'])} us, mm+RS "
                            f"{fmt(r['mm_rs_us'])}, ours {fmt(r['ours_us'])}, torch {fmt(r['torch_us'])}"
-                           + (f", ours {r['ours_vs_mm_rs']:.2f}x vs mm+RS" if r["ours_vs_mm_rs"] else ""))
+                           + (f", ours {r['ours_vs_mm_rs']:.2f}x vs mm+RS" if r["ours_vs_mm_rs"] else "") + trace_note)
             torch.cuda.empty_cache()
 
     thresholds = {d: _thresholds(rows, d) for d in args.dtypes}
@@ -257,6 +285,8 @@ def main(argv=None) -> None:
                    help="also time ours with the own rows in each of these schedules (MINIMAX_GEMM_RS_SCHEDULE)")
     p.add_argument("--push", nargs="*", default=[], choices=["copy", "store"],
                    help="also time ours with the partials pushed each of these ways (MINIMAX_GEMM_RS_PUSH)")
+    p.add_argument("--trace", action="store_true",
+                   help="also record one replay of ours per shape with torch.profiler: GPU timeline in the JSON")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -265,6 +295,10 @@ def main(argv=None) -> None:
         raise SystemExit("--pieces values must be at least 1")
     if (args.pieces or args.schedules or args.push) and "ours" not in args.methods:
         raise SystemExit("--pieces, --schedules and --push time ours: keep 'ours' in --methods")
+    if args.trace and args.eager:
+        raise SystemExit("--trace records a CUDA-graph replay: leave out --eager")
+    if args.trace and "ours" not in args.methods:
+        raise SystemExit("--trace records ours: keep 'ours' in --methods")
     if args.calls < 1:
         raise SystemExit("--calls must be at least 1")
     if args.tp < 2:

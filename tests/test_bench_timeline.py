@@ -1,0 +1,43 @@
+"""bench_common.gpu_timeline: the GPU part of a torch.profiler recording, in start order."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from minimax_backend.tools.bench_common import gpu_timeline
+
+CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+
+def _event(name, device_type, start, end, stream=7):
+    span = SimpleNamespace(start=start, elapsed_us=lambda: end - start)
+    return SimpleNamespace(name=name, device_type=device_type, time_range=span, device_resource_id=stream)
+
+
+def test_gpu_events_only_in_start_order_from_the_first():
+    events = [
+        _event("gemm piece 2", CUDA, 1100.0, 1182.5, stream=7),
+        _event("aten::mm", CPU, 900.0, 950.0),  # host side: not GPU work
+        _event("Memcpy PtoP", CUDA, 1105.25, 1173.0, stream=21),
+        _event("gemm piece 1", CUDA, 1010.0, 1091.4, stream=7),
+    ]
+    got = gpu_timeline(events)
+    assert [e["name"] for e in got] == ["gemm piece 1", "gemm piece 2", "Memcpy PtoP"]
+    assert got[0] == {"start": 0.0, "us": 81.4, "stream": 7, "name": "gemm piece 1"}
+    assert got[2]["start"] == 95.2 and got[2]["us"] == 67.8 and got[2]["stream"] == 21
+
+
+def test_nothing_on_the_gpu_is_an_empty_timeline():
+    assert gpu_timeline([_event("aten::add", CPU, 0.0, 1.0)]) == []
+
+
+def test_a_real_cpu_recording_has_no_gpu_timeline():
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(4) + 1
+    assert any(e.name == "aten::add" for e in prof.events())  # the attributes gpu_timeline reads exist
+    assert all(hasattr(e, "time_range") and hasattr(e, "device_resource_id") for e in prof.events())
+    assert gpu_timeline(prof.events()) == []
