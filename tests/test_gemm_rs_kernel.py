@@ -45,7 +45,9 @@ class SimWorkspace(gemm_rs_cuda._Workspace):
         assert piece in self.marked, f"piece {piece} awaited before its barrier"
 
 
-def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biases=None, out_dtype=None):
+def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biases=None, out_dtype=None,
+              gemms=None):
+    """Every rank's output rows; `gemms`, if given, receives each rank's _RowsGemm."""
     rows = -(-tokens // world)
     dtype = out_dtype or xs[0].dtype
     syms = [torch.full((world, rows, weights[0].shape[0]), float("nan"), dtype=dtype) for _ in range(world)]
@@ -60,7 +62,7 @@ def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biase
     schedule = gemm_rs_cuda.choose_schedule(rows * world, k, x_scales is not None)
     pieces = gemm_rs_cuda.piece_bounds(rows, gemm_rs_cuda.push_pieces(rows, k, schedule))
     assert pieces[0][0] == 0 and pieces[-1][1] == rows and all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
-    gemms = []
+    gemms = [] if gemms is None else gemms
     for r, ws in enumerate(workspaces):
         gemm = gemm_rs_cuda._RowsGemm(xs[r], weights[r], None if x_scales is None else x_scales[r],
                                       None if w_scales is None else w_scales[r],
@@ -80,7 +82,6 @@ def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biase
         else:
             out = torch.full((rows, weights[0].shape[0]), float("nan"), dtype=dtype)
             outs.append(gemm_rs_cuda.own_rows_epilogue(ws, gemm, tokens, pieces, out))
-    _simulate.gemms = gemms  # for tests that look at how each rank's GEMMs got their scales
     return outs
 
 
@@ -169,19 +170,22 @@ def test_default_pieces_and_bad_override(monkeypatch):
         gemm_rs_cuda.choose_schedule(4096, 2048)
 
 
-def _check_fp8_schedule(world, tokens, seed):
-    """Simulate FP8 inputs (K = 256) through the schedule and compare with per-rank GEMMs + reduce-scatter."""
+def _check_fp8_schedule(world, tokens, seed) -> list:
+    """Simulate FP8 inputs (K = 256) through the schedule and compare with per-rank GEMMs + reduce-scatter;
+    returns each rank's _RowsGemm."""
     g = torch.Generator().manual_seed(seed)
     xs, xss, wqs, wss = [], [], [], []
     for _ in range(world):
         q, s = torch.ops.minimax.quantize_fp8(torch.randn(tokens, 256, generator=g), 128)
         wq, ws = quantize_weight_fp8(torch.randn(128, 256, generator=g))
         xs.append(q), xss.append(s), wqs.append(wq), wss.append(ws)
-    got = _simulate(xs, wqs, tokens, world, x_scales=xss, w_scales=wss, out_dtype=torch.float32)
+    gemms = []
+    got = _simulate(xs, wqs, tokens, world, x_scales=xss, w_scales=wss, out_dtype=torch.float32, gemms=gemms)
     want = _reference([torch.ops.minimax.fp8_block_gemm(*a, torch.float32) for a in zip(xs, xss, wqs, wss)],
                       tokens, world)
     for r in range(world):  # the row-block GEMMs may add in another order than one big GEMM
         torch.testing.assert_close(got[r], want[r], rtol=1e-5, atol=1e-4)
+    return gemms
 
 
 def test_schedule_fp8(schedule, push):
@@ -197,7 +201,7 @@ def test_fp8_scales_transposed_once_per_call(schedule, world, tokens, equal_runs
     """Where the GEMMs cut x into equal runs (no padding, equal pieces), the activation
     scales are laid out for all of them in one go; elsewhere each GEMM transposes its own.
     The result is the same either way."""
-    _check_fp8_schedule(world, tokens, seed=tokens)
+    gemms = _check_fp8_schedule(world, tokens, seed=tokens)
     rows = -(-tokens // world)
     pieces = gemm_rs_cuda.piece_bounds(rows, gemm_rs_cuda.push_pieces(rows, 256, schedule))
     gemm_calls = world * len(pieces) if schedule == "epilogue" else (world - 1) * len(pieces) + 1
@@ -207,7 +211,7 @@ def test_fp8_scales_transposed_once_per_call(schedule, world, tokens, equal_runs
         want_transposes = 0
     else:  # sum_after's own rows are one GEMM over two pieces' rows
         want_transposes = 1
-    assert [gemm.scale_transposes for gemm in _simulate.gemms] == [want_transposes] * world
+    assert [gemm.scale_transposes for gemm in gemms] == [want_transposes] * world
 
 
 def test_first_call_during_capture_is_a_clear_error(monkeypatch):
