@@ -24,18 +24,24 @@ What is read from an HF config
     ``moe_layer_freq``: a list with one entry per layer (0 dense, 1 MoE), or an
     int k: layer i is MoE when ``i >= first_k_dense_replace`` (default 0) and
     ``i % k == 0``. Absent: the first 3 layers dense, the rest MoE (M3).
-    ``sparse_attention_config`` (a dict; all keys optional):
-      - ``use_sparse_attention`` (default True when the dict is present)
-      - which layers: ``sparse_attention_layers`` / ``sparse_layer_ids`` (a list
-        of layer ids) or ``sparse_attention_freq`` (a list of 0/1 per layer);
-        default: every layer at or after the leading dense layers
-      - index heads: ``sparse_num_index_heads`` (or ``num_index_heads``,
-        ``index_n_heads``), default 4
-      - index head dim: ``sparse_index_dim`` (or ``index_head_dim``), default head_dim
-      - top-k blocks: ``sparse_topk_blocks`` (or ``index_topk_blocks``,
-        ``index_topk``), default 16
-      - block size: ``sparse_block_size`` (or ``index_block_size``), default 128
-    No ``sparse_attention_config`` at all: no sparse layers.
+    Sparse attention (MSA) and its indexer, from either form:
+      - M3's ``sparse_attention_config`` dict: ``use_sparse_attention``
+        (default True when the dict is present), ``sparse_attention_freq``
+        (0/1 per layer; or ``sparse_attention_layers`` / ``sparse_layer_ids``,
+        a list of ids; default: every layer after the leading dense ones),
+        ``sparse_num_index_heads``, ``sparse_index_dim``, ``sparse_block_size``,
+        ``sparse_topk_blocks``, ``sparse_score_type`` ("max" only),
+        ``sparse_init_block``, ``sparse_local_block``,
+        ``sparse_disable_index_value`` (must be 1: no index value path). An
+        unknown key is a ConfigError: nothing is silently ignored.
+      - transformers' MiniMaxM3VLTextConfig (``model_type`` "minimax_m3_vl_text"):
+        ``layer_types`` ("minimax_m3_sparse" / "full_attention"),
+        ``mlp_layer_types`` ("sparse" = MoE / "dense"), ``index_n_heads``,
+        ``index_head_dim``, ``index_block_size``, ``index_topk_blocks``,
+        ``index_local_blocks``. transformers rewrites ``hidden_act`` to "silu"
+        there while its modeling computes SwiGLU-OAI: read as "swigluoai".
+      Keys of the dict win over the flat names (as transformers reads them).
+      Neither present: no sparse layers.
 ``model_type`` "minimax_m2" (transformers' ``MiniMaxM2Config`` and the hub's
 ``config.json``): the same names where they exist. Rope: new transformers writes
 ``rope_parameters = {"rope_theta", "partial_rotary_factor", "rope_type"}``; old
@@ -71,6 +77,18 @@ QK_NORM_TYPES = ("per_head", "per_layer")
 SCORING_FUNCS = ("sigmoid",)
 QUANT_METHODS = (None, "fp8")
 MLP_TYPES = ("dense", "moe")
+SCORE_TYPES = ("max",)
+# transformers' names for the per-layer types (MiniMaxM3VLTextConfig.layer_types / mlp_layer_types).
+HF_ATTENTION_TYPES = {"minimax_m3_sparse": True, "full_attention": False}
+HF_MLP_TYPES = {"sparse": "moe", "dense": "dense", "moe": "moe"}
+# Keys of M3's sparse_attention_config (and older aliases) this reader knows.
+SPARSE_KEYS = (
+    "use_sparse_attention", "sparse_num_index_heads", "sparse_index_dim", "sparse_block_size",
+    "sparse_topk_blocks", "sparse_score_type", "sparse_init_block", "sparse_local_block",
+    "sparse_attention_freq", "sparse_disable_index_value",
+    "sparse_attention_layers", "sparse_layer_ids", "num_index_heads", "index_n_heads", "index_head_dim",
+    "index_topk_blocks", "index_topk", "index_block_size", "index_local_blocks",
+)
 
 # Aliases seen in the wild for the activation names.
 _ACT_ALIASES = {"swiglu_oai": "swigluoai", "swiglu-oai": "swigluoai", "swish": "silu"}
@@ -122,6 +140,9 @@ class MiniMaxConfig:
     index_head_dim: int = 128
     index_topk_blocks: int = 16
     index_block_size: int = 128
+    index_local_blocks: int = 1  # the query's own block and the ones before it, always kept
+    index_init_blocks: int = 0  # the first blocks of the sequence, always kept
+    index_score_type: str = "max"  # how key scores pool into a block score
     num_mtp_modules: int = 1
     tie_word_embeddings: bool = False
     aux_hidden_state_layers: tuple[int, ...] = ()
@@ -234,12 +255,14 @@ class MiniMaxConfig:
 
         # Sparse attention and its indexer.
         self._check_layer_ids("sparse_attention_layers", self.sparse_attention_layers)
+        index_fields = ("index_n_heads", "index_head_dim", "index_topk_blocks", "index_block_size",
+                        "index_local_blocks")
+        for name in index_fields:
+            positive_int(name) if self.sparse_attention_layers else non_negative_int(name)
+        non_negative_int("index_init_blocks")
+        one_of("index_score_type", SCORE_TYPES)
         if self.sparse_attention_layers:
-            for name in ("index_n_heads", "index_head_dim", "index_topk_blocks", "index_block_size"):
-                positive_int(name)
-        else:
-            for name in ("index_n_heads", "index_head_dim", "index_topk_blocks", "index_block_size"):
-                non_negative_int(name)
+            self._check_indexer()
 
         non_negative_int("num_mtp_modules")
         self._check_layer_ids("aux_hidden_state_layers", self.aux_hidden_state_layers)
@@ -248,6 +271,24 @@ class MiniMaxConfig:
             isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in self.weight_block_size
         ):
             raise ConfigError("weight_block_size", f"must be two positive integers, got {self.weight_block_size!r}")
+
+    def _check_indexer(self) -> None:
+        if self.index_local_blocks + self.index_init_blocks > self.index_topk_blocks:
+            raise ConfigError(
+                "index_local_blocks",
+                f"{self.index_local_blocks} local + {self.index_init_blocks} init blocks do not fit in "
+                f"index_topk_blocks {self.index_topk_blocks}",
+            )
+        heads, kv, idx = self.num_attention_heads, self.num_key_value_heads, self.index_n_heads
+        if heads % idx or idx % kv:
+            raise ConfigError(
+                "index_n_heads",
+                f"{idx} index heads must divide num_attention_heads {heads} and be a multiple of "
+                f"num_key_value_heads {kv} (each index head serves query heads of one KV group)",
+            )
+        if self.rotary_dim > self.index_head_dim:
+            raise ConfigError("index_head_dim", f"{self.index_head_dim} is smaller than rotary_dim {self.rotary_dim} "
+                                                "(the indexer uses the main branch's RoPE)")
 
     def _check_layer_ids(self, name: str, ids: tuple[int, ...]) -> None:
         for i in ids:
@@ -333,6 +374,12 @@ class MiniMaxConfig:
                 "num_key_value_heads",
                 f"{kv} KV heads neither divide nor are divisible by tp_size {tp_size}",
             )
+        idx = self.index_n_heads
+        if self.sparse_attention_layers and idx % tp_size and tp_size % idx:
+            raise ConfigError(
+                "index_n_heads",
+                f"{idx} index heads neither divide nor are divisible by tp_size {tp_size}",
+            )
         if self.vocab_size % tp_size:
             raise ConfigError("vocab_size", f"{self.vocab_size} is not divisible by tp_size {tp_size}")
         if self.dense_layers and self.dense_intermediate_size % tp_size:
@@ -372,6 +419,9 @@ class MiniMaxConfig:
             ("num_attention_heads", self.num_attention_heads // tp_size * self.head_dim, bk,
              "o_proj columns per rank"),
         ]
+        if self.sparse_attention_layers:
+            pieces.append(("index_n_heads", max(self.index_n_heads // tp_size, 1) * self.index_head_dim, bn,
+                           "index_q_proj rows per rank"))
         if self.dense_layers:
             pieces.append(("dense_intermediate_size", self.dense_intermediate_size // tp_size, bn,
                            "dense gate/up rows (and down columns) per rank"))
@@ -407,14 +457,14 @@ class MiniMaxConfig:
                 if key not in text and key in d:
                     text[key] = d[key]
             return cls.from_hf_dict(text)
-        if model_type == "minimax_m3_text":
+        if model_type in ("minimax_m3_text", "minimax_m3_vl_text"):
             return cls(**_read_m3(d))
         if model_type == "minimax_m2":
             return cls(**_read_m2(d))
         raise ConfigError(
             "model_type",
             f"unknown model_type {model_type!r}; expected one of "
-            f"{['minimax_m3_text', 'minimax_m3_vl', 'minimax_m2']}",
+            f"{['minimax_m3_text', 'minimax_m3_vl', 'minimax_m3_vl_text', 'minimax_m2']}",
         )
 
     @classmethod
@@ -496,6 +546,10 @@ class MiniMaxConfig:
                 "sparse_index_dim": self.index_head_dim,
                 "sparse_topk_blocks": self.index_topk_blocks,
                 "sparse_block_size": self.index_block_size,
+                "sparse_score_type": self.index_score_type,
+                "sparse_init_block": self.index_init_blocks,
+                "sparse_local_block": self.index_local_blocks,
+                "sparse_disable_index_value": 1,
             }
         if self.model_type == "minimax_m2" and (
             self.dense_layers or self.sparse_attention_layers or self.shared_intermediate_size
@@ -584,7 +638,13 @@ def _quant(d: dict) -> dict[str, Any]:
 
 def _layer_types(d: dict, n_layers: Any, default_dense: int) -> tuple[str, ...]:
     if "mlp_layer_types" in d and d["mlp_layer_types"] is not None:
-        return tuple(d["mlp_layer_types"])
+        types = d["mlp_layer_types"]
+        if not isinstance(types, (list, tuple)):
+            raise ConfigError("mlp_layer_types", f"must be a list of per-layer types, got {types!r}")
+        for i, t in enumerate(types):
+            if t not in HF_MLP_TYPES:
+                raise ConfigError("mlp_layer_types", f"layer {i}: {t!r} is not one of {list(HF_MLP_TYPES)}")
+        return tuple(HF_MLP_TYPES[t] for t in types)  # transformers says "sparse" for a MoE layer
     freq = d.get("moe_layer_freq")
     if not isinstance(n_layers, int) or isinstance(n_layers, bool) or n_layers <= 0:
         raise ConfigError("num_hidden_layers", f"must be a positive integer, got {n_layers!r}")
@@ -610,17 +670,50 @@ def _layer_types(d: dict, n_layers: Any, default_dense: int) -> tuple[str, ...]:
 
 
 def _sparse(d: dict, n_layers: int, mlp_types: tuple[str, ...], head_dim: int) -> dict[str, Any]:
+    """The indexer fields and the sparse layers, from transformers' flat names
+    (index_*, layer_types) and/or M3's own sparse_attention_config, whose keys win
+    where both are given (as transformers' MiniMaxM3VLTextConfig reads them)."""
+    out = {
+        "index_n_heads": _get(d, "index_n_heads", default=4),
+        "index_head_dim": _get(d, "index_head_dim", default=head_dim),
+        "index_topk_blocks": _get(d, "index_topk_blocks", default=16),
+        "index_block_size": _get(d, "index_block_size", default=128),
+        "index_local_blocks": _get(d, "index_local_blocks", default=1),
+        "index_init_blocks": 0,
+        "index_score_type": "max",
+    }
+    layer_types = d.get("layer_types")
+    layers: tuple[int, ...] = ()
+    if layer_types is not None:
+        if not isinstance(layer_types, (list, tuple)) or len(layer_types) != n_layers:
+            raise ConfigError("layer_types", f"must be a list of {n_layers} entries (one per layer), got {layer_types!r}")
+        for i, t in enumerate(layer_types):
+            if t not in HF_ATTENTION_TYPES:
+                raise ConfigError("layer_types", f"layer {i}: {t!r} is not one of {list(HF_ATTENTION_TYPES)}")
+        layers = tuple(i for i, t in enumerate(layer_types) if HF_ATTENTION_TYPES[t])
     sc = d.get("sparse_attention_config")
-    out = {"index_n_heads": 4, "index_head_dim": head_dim, "index_topk_blocks": 16, "index_block_size": 128}
     if sc is None:
-        out["sparse_attention_layers"] = ()
+        out["sparse_attention_layers"] = layers
         return out
     if not isinstance(sc, dict):
         raise ConfigError("sparse_attention_config", f"must be a dict, got {type(sc).__name__}")
-    out["index_n_heads"] = _get(sc, "sparse_num_index_heads", "num_index_heads", "index_n_heads", default=4)
-    out["index_head_dim"] = _get(sc, "sparse_index_dim", "index_head_dim", default=head_dim)
-    out["index_topk_blocks"] = _get(sc, "sparse_topk_blocks", "index_topk_blocks", "index_topk", default=16)
-    out["index_block_size"] = _get(sc, "sparse_block_size", "index_block_size", default=128)
+    unknown = sorted(set(sc) - set(SPARSE_KEYS))
+    if unknown:
+        raise ConfigError(f"sparse_attention_config.{unknown[0]}",
+                          f"unknown key(s) {unknown}: this model cannot honour them (known: {list(SPARSE_KEYS)})")
+    out["index_n_heads"] = _get(sc, "sparse_num_index_heads", "num_index_heads", "index_n_heads",
+                                default=out["index_n_heads"])
+    out["index_head_dim"] = _get(sc, "sparse_index_dim", "index_head_dim", default=out["index_head_dim"])
+    out["index_topk_blocks"] = _get(sc, "sparse_topk_blocks", "index_topk_blocks", "index_topk",
+                                    default=out["index_topk_blocks"])
+    out["index_block_size"] = _get(sc, "sparse_block_size", "index_block_size", default=out["index_block_size"])
+    out["index_local_blocks"] = _get(sc, "sparse_local_block", "index_local_blocks", default=out["index_local_blocks"])
+    out["index_init_blocks"] = _get(sc, "sparse_init_block", default=0)
+    out["index_score_type"] = _get(sc, "sparse_score_type", default="max")
+    if not _get(sc, "sparse_disable_index_value", default=1):
+        raise ConfigError("sparse_attention_config.sparse_disable_index_value",
+                          "0 asks for the indexer's value path, which this model does not implement "
+                          "(M3 ships with it disabled: 1)")
     if not sc.get("use_sparse_attention", True):
         out["sparse_attention_layers"] = ()
         return out
@@ -637,7 +730,7 @@ def _sparse(d: dict, n_layers: int, mlp_types: tuple[str, ...], head_dim: int) -
                 f"must be a list of {n_layers} entries (one per layer), got {freq!r}",
             )
         layers = tuple(i for i, v in enumerate(freq) if v)
-    else:
+    elif layer_types is None:
         n_dense = 0
         while n_dense < len(mlp_types) and mlp_types[n_dense] == "dense":
             n_dense += 1
@@ -668,6 +761,16 @@ def _common(d: dict) -> dict[str, Any]:
     }
 
 
+def _m3_activation(d: dict) -> str:
+    """transformers' MiniMaxM3VLTextConfig rewrites hidden_act to "silu" (its modeling
+    computes SwiGLU-OAI inline from swiglu_alpha / swiglu_limit and keeps hidden_act
+    only as a fallback name), so a config it saved says "silu" for a SwiGLU-OAI model."""
+    act = _get(d, "hidden_act", default="swigluoai")
+    if d.get("model_type") == "minimax_m3_vl_text" and act == "silu":
+        return "swigluoai"
+    return act
+
+
 def _read_m3(d: dict) -> dict[str, Any]:
     kw = _common(d)
     head_dim = _head_dim(d)
@@ -687,7 +790,7 @@ def _read_m3(d: dict) -> dict[str, Any]:
         use_gemma_norm=bool(_get(d, "use_gemma_norm", default=True)),
         use_qk_norm=bool(_get(d, "use_qk_norm", default=True)),
         qk_norm_type=_get(d, "qk_norm_type", default="per_head"),
-        hidden_act=_get(d, "hidden_act", default="swigluoai"),
+        hidden_act=_m3_activation(d),
         swiglu_alpha=_get(d, "swiglu_alpha", default=1.702),
         swiglu_beta=_get(d, "swiglu_beta", default=1.0),
         swiglu_limit=_get(d, "swiglu_limit", default=7.0),

@@ -136,6 +136,63 @@ def test_m3_sparse_layer_forms_and_moe_freq_int():
     assert (c.rotary_dim, c.rope_theta) == (16, 1e4)
 
 
+def test_m3_full_sparse_attention_config():
+    """Every key of M3's sparse_attention_config is read (and written back)."""
+    sc = {"use_sparse_attention": True, "sparse_num_index_heads": 2, "sparse_index_dim": 64,
+          "sparse_block_size": 64, "sparse_topk_blocks": 8, "sparse_score_type": "max", "sparse_init_block": 1,
+          "sparse_local_block": 2, "sparse_attention_freq": [0, 0, 1, 1], "sparse_disable_index_value": 1}
+    c = MiniMaxConfig.from_hf_dict(m3_text_dict(sparse_attention_config=sc))
+    assert c.sparse_attention_layers == (2, 3)
+    assert (c.index_n_heads, c.index_head_dim, c.index_block_size, c.index_topk_blocks) == (2, 64, 64, 8)
+    assert (c.index_init_blocks, c.index_local_blocks, c.index_score_type) == (1, 2, "max")
+    assert MiniMaxConfig.from_hf_dict(c.to_hf_dict()) == c
+
+
+def test_m3_as_transformers_writes_it():
+    """MiniMaxM3VLTextConfig's saved form: model_type minimax_m3_vl_text, flat index_* names,
+    layer_types / mlp_layer_types, and hidden_act rewritten to "silu" for a SwiGLU-OAI model."""
+    d = m3_text_dict(model_type="minimax_m3_vl_text", hidden_act="silu",
+                     layer_types=["full_attention", "minimax_m3_sparse", "full_attention", "minimax_m3_sparse"],
+                     mlp_layer_types=["dense", "sparse", "sparse", "sparse"], index_n_heads=2, index_head_dim=64,
+                     index_block_size=16, index_topk_blocks=4, index_local_blocks=1)
+    for k in ("sparse_attention_config", "moe_layer_freq", "use_gemma_norm", "qk_norm_type", "n_shared_experts"):
+        del d[k]
+    c = MiniMaxConfig.from_hf_dict(d)
+    assert c.is_m3 and c.hidden_act == "swigluoai"
+    assert c.sparse_attention_layers == (1, 3) and c.mlp_layer_types == ("dense", "moe", "moe", "moe")
+    assert (c.index_n_heads, c.index_block_size, c.index_topk_blocks, c.index_local_blocks) == (2, 16, 4, 1)
+    assert c.use_gemma_norm and c.qk_norm_type == "per_head" and c.n_shared_experts == 1
+    vl = MiniMaxConfig.from_hf_dict({"model_type": "minimax_m3_vl", "text_config": d})
+    assert vl == c
+    # M3's own legacy keys win over the flat ones, as transformers reads them
+    d2 = dict(d, sparse_attention_config={"sparse_topk_blocks": 8, "sparse_local_block": 2})
+    c2 = MiniMaxConfig.from_hf_dict(d2)
+    assert (c2.index_topk_blocks, c2.index_local_blocks, c2.sparse_attention_layers) == (8, 2, (1, 3))
+
+
+@pytest.mark.parametrize("sparse,field", [
+    ({"sparse_score_type": "mean"}, "index_score_type"),
+    ({"sparse_disable_index_value": 0}, "sparse_attention_config.sparse_disable_index_value"),
+    ({"sparse_window": 3}, "sparse_attention_config.sparse_window"),
+    ({"sparse_topk_blocks": 2, "sparse_local_block": 2, "sparse_init_block": 1}, "index_local_blocks"),
+    ({"sparse_num_index_heads": 3}, "index_n_heads"),  # does not nest with 2 KV heads / 4 heads
+    ({"sparse_index_dim": 16}, "index_head_dim"),  # smaller than rotary_dim 32
+])
+def test_sparse_attention_config_we_cannot_honour(sparse, field):
+    with pytest.raises(ConfigError) as e:
+        MiniMaxConfig.from_hf_dict(m3_text_dict(sparse_attention_config=sparse))
+    assert e.value.field == field, str(e.value)
+
+
+def test_unknown_per_layer_types_are_errors():
+    with pytest.raises(ConfigError, match="layer 1: 'sliding_attention'") as e:
+        MiniMaxConfig.from_hf_dict(m3_text_dict(layer_types=["full_attention", "sliding_attention"] * 2))
+    assert e.value.field == "layer_types"
+    with pytest.raises(ConfigError, match="layer 0: 'mixture'") as e:
+        MiniMaxConfig.from_hf_dict(m3_text_dict(mlp_layer_types=["mixture"] * 4))
+    assert e.value.field == "mlp_layer_types"
+
+
 # ------------------------------------------------------------------ M2
 def test_m2_old_hub_format():
     c = MiniMaxConfig.from_hf_dict(m2_old_dict())
@@ -283,7 +340,7 @@ def test_validate_for_parallel_errors():
     cases = [
         (tiny, 3, 1, "num_attention_heads", "4 heads are not divisible by tp_size 3"),
         (tiny, 4, 3, "ep_size", "ep_size 3 must divide tp_size 4"),
-        (tiny.replace(num_attention_heads=6, num_key_value_heads=3), 2, 1, "num_key_value_heads",
+        (tiny.replace(num_attention_heads=6, num_key_value_heads=3, index_n_heads=3), 2, 1, "num_key_value_heads",
          "3 KV heads neither divide nor are divisible by tp_size 2"),
         (tiny.replace(num_local_experts=6), 4, 4, "num_local_experts", "6 experts are not divisible by ep_size 4"),
         (tiny.replace(intermediate_size=130), 4, 1, "intermediate_size", "MoE TP size 4 (tp_size 4 / ep_size 1)"),
