@@ -182,3 +182,45 @@ def test_fp8_block_gemm_fallback_kernel_compiles(m):
                                 "stride_cm"], **launch)
     assert byte_loads(ptx) == 0
     assert shared <= H200_SHARED_BYTES
+
+
+# --------------------------------------------------------------------- MSA
+SCORES_SIG = {"q_ptr": "*bf16", "k_ptr": "*bf16", "pos_ptr": "*i64", "out_ptr": "*fp32", "seq": "i32", "heads": "i32",
+              "n_blocks": "i32", "blocks_per_prog": "i32", "stride_kb": "i32", "stride_kl": "i32"}
+ATTN_SIG = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "blocks_ptr": "*i32", "pos_ptr": "*i64",
+            "o_ptr": "*bf16", "lse_ptr": "*fp32", "seq": "i32", "n_tiles": "i32", "key_slots": "i32",
+            "qk_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32", "stride_kb": "i32", "stride_kh": "i32",
+            "stride_kl": "i32", "stride_vb": "i32", "stride_vh": "i32", "stride_vl": "i32", "stride_bt": "i32",
+            "stride_bh": "i32", "stride_ot": "i32", "stride_oh": "i32", "stride_os": "i32"}
+ATTN_ALIGNED = ["q_ptr", "k_ptr", "v_ptr", "blocks_ptr", "pos_ptr", "o_ptr", "lse_ptr", "stride_qt", "stride_qh",
+                "stride_kb", "stride_kh", "stride_kl", "stride_vb", "stride_vh", "stride_vl", "stride_bt",
+                "stride_ot", "stride_oh"]
+
+
+def test_msa_block_scores_kernel_uses_the_tensor_cores():
+    """M3's indexer at prefill: 64 (token, head) rows x 128 keys x 128 dims per block."""
+    from minimax_backend.kernels import msa_triton as mt
+
+    consts = dict(BS=128, D=128, BLOCK_R=64, LOCAL=1, INIT=0, UPCAST=False, IEEE=False)
+    ptx, shared = compile_sm90(mt._block_scores_kernel, SCORES_SIG, consts,
+                               ["q_ptr", "k_ptr", "pos_ptr", "out_ptr", "stride_kb", "stride_kl"], num_warps=4)
+    assert "wgmma" in ptx or "mma.sync" in ptx
+    assert byte_loads(ptx) == 0 and shared <= H200_SHARED_BYTES
+
+
+@pytest.mark.parametrize("tok, split", [(4, 1), (1, 8)])
+def test_msa_attention_kernel_compiles_for_m3(tok, split):
+    """M3 at TP 1: 16 query heads per index head; prefill tiles of 4 tokens (64 rows, wgmma),
+    decode one token split over 8 programs."""
+    from minimax_backend.kernels import msa_triton as mt
+
+    sig = dict(ATTN_SIG, o_ptr="*bf16" if split == 1 else "*fp32")
+    consts = dict(HQ=64, HI=4, HKV=4, G=16, G_PAD=16, TOK=tok, K=16, K_PAD=16, SPLIT=split, BS=128, D=128,
+                  UPCAST=False, IEEE=False)
+    ptx, shared = compile_sm90(mt._sparse_attention_kernel, sig, consts, ATTN_ALIGNED, num_warps=4)
+    if tok * 16 >= 64:
+        assert "wgmma" in ptx, "the 64-row prefill tile does not use Hopper's wgmma"
+    assert byte_loads(ptx) == 0 and shared <= H200_SHARED_BYTES
+    compile_sm90(mt._merge_kernel, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32",
+                                    "stride_oh": "i32"}, dict(HQ=64, SPLIT=8, D=128), ["part_ptr", "o_ptr"],
+                 num_warps=4)
