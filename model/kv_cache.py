@@ -6,6 +6,11 @@ functionalizes into a copy back to the buffer) and attends over the whole
 buffer with the mask k_pos <= q_pos. So one model does prefill (positions
 0..P-1) and decode (position t) with the same code, and static shapes.
 Slots past the current position are masked, whatever they hold.
+
+Sparse (MSA) layers keep one more buffer, the index-K cache [batch, max_len,
+index_head_dim]: the indexer's single key head per token, written at the same
+positions. Decode scores the new token's index queries against it to pick the
+key blocks to attend to (kernels/msa.py).
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ __all__ = ["KVCache", "cache_mask"]
 
 
 class KVCache(nn.Module):
-    def __init__(self, batch: int, max_len: int, num_kv_heads: int, head_dim: int, *, dtype, device):
+    def __init__(self, batch: int, max_len: int, num_kv_heads: int, head_dim: int, *, dtype, device,
+                 index_head_dim: int = 0):
         super().__init__()
         shape = (batch, num_kv_heads, max_len, head_dim)
         # Not persistent: not part of the checkpoint, no load plan.
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        index_shape = (batch, max_len, index_head_dim) if index_head_dim else (0,)
+        self.register_buffer("index_k", torch.zeros(index_shape, dtype=dtype, device=device), persistent=False)
 
     @property
     def batch(self) -> int:
@@ -38,6 +46,13 @@ class KVCache(nn.Module):
         self.k.scatter_(2, index, k)
         self.v.scatter_(2, index, v)
         return self.k, self.v
+
+    def update_index(self, index_k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Write the indexer's keys [B, S, D] at positions [B, S]; return the whole index-K buffer."""
+        if self.index_k.dim() != 3:
+            raise RuntimeError("this KV cache has no index-K buffer (the layer is not a sparse one)")
+        self.index_k.scatter_(1, positions[:, :, None].expand(-1, -1, index_k.shape[2]), index_k)
+        return self.index_k
 
 
 def cache_mask(positions: torch.Tensor, max_len: int) -> torch.Tensor:

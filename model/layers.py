@@ -2,8 +2,8 @@
 
     RMSNorm                  Gemma form x / rms(x) * (1 + w) (M3), or plain x / rms(x) * w (M2)
     rope_cos_sin, apply_rope NeoX rotary embedding on the first rotary_dim dims of each head
-    Attention                fused QKV -> QK norm -> RoPE -> GQA SDPA -> o_proj -> all_reduce
-    SparseIndexer            M3's key-only indexer weights (kept, not used yet)
+    Attention                fused QKV -> QK norm -> RoPE -> GQA SDPA (or MSA) -> o_proj -> all_reduce
+    SparseIndexer            M3's MSA indexer: picks the key blocks each query attends to
     GatedMLP                 fused gate/up -> SwiGLU-OAI or SiLU -> down (-> all_reduce)
     VocabParallelEmbedding   each rank holds a slice of the vocab -> all_reduce
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import ColumnParallelLinear, Piece, ReplicatedLinear, RowParallelLinear, ShardingError
+from .linear import ColumnParallelLinear, Piece, ReplicatedLinear, RowParallelLinear, ShardingError, place_adjacent
 from .parallel import ParallelState, all_reduce
 from .weights import LoadPlan, attach_plan, rows, whole
 
@@ -30,6 +30,7 @@ __all__ = [
     "GatedMLP",
     "VocabParallelEmbedding",
     "shard",
+    "head_group_range",
     "kv_head_range",
 ]
 
@@ -41,14 +42,20 @@ def shard(full: int, rank: int, size: int, what: str) -> tuple[int, int]:
     return rank * (full // size), full // size
 
 
+def head_group_range(num_heads: int, ps: ParallelState, what: str) -> tuple[int, int]:
+    """(first head, count) on this rank of heads that each serve a group of query
+    heads (KV heads, index heads). Fewer heads than ranks: each rank keeps the one
+    head of its query heads, replicated on tp_size // num_heads ranks."""
+    if num_heads >= ps.tp_size:
+        return shard(num_heads, ps.tp_rank, ps.tp_size, what)
+    if ps.tp_size % num_heads:
+        raise ShardingError(f"{what}: {num_heads} does not divide tp_size {ps.tp_size}")
+    return ps.tp_rank * num_heads // ps.tp_size, 1
+
+
 def kv_head_range(num_kv_heads: int, ps: ParallelState) -> tuple[int, int]:
-    """(first KV head, count) on this rank. Fewer KV heads than ranks: each rank
-    keeps one head, replicated on tp_size // num_kv_heads ranks."""
-    if num_kv_heads >= ps.tp_size:
-        return shard(num_kv_heads, ps.tp_rank, ps.tp_size, "num_key_value_heads")
-    if ps.tp_size % num_kv_heads:
-        raise ShardingError(f"num_key_value_heads: {num_kv_heads} does not divide tp_size {ps.tp_size}")
-    return ps.tp_rank * num_kv_heads // ps.tp_size, 1
+    """(first KV head, count) on this rank (see head_group_range)."""
+    return head_group_range(num_kv_heads, ps, "num_key_value_heads")
 
 
 # --------------------------------------------------------------------- norms
@@ -104,28 +111,58 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # ----------------------------------------------------------------- attention
 class SparseIndexer(nn.Module):
-    """M3's sparse-attention "lightning indexer": index_n_heads query heads and ONE key
-    head of index_head_dim, each with a Gemma RMSNorm. It picks the top-k key blocks
-    per query. Its weights are loaded and kept, but NOT used: with top-16 blocks of
-    128 tokens, sparse attention equals dense attention up to 2048 tokens, and the
-    sparse kernel is a later issue. Replicated on every rank (small).
+    """M3's MSA "lightning indexer": which key blocks each query attends to.
 
-    Checkpoint names: `<attn>.index_q_proj.weight` [n_heads * dim, hidden],
-    `<attn>.index_k_proj.weight` [dim, hidden], `<attn>.index_q_norm.weight` [dim],
-    `<attn>.index_k_norm.weight` [dim] (HF transformers' minimax_m3_vl names).
+    Per token: index queries iq = rope(q_norm(x Wq)) [index heads, D] and ONE
+    index key ik = rope(k_norm(x Wk)) [D] (Gemma norms, the main branch's
+    partial RoPE). minimax::msa_select scores iq . ik in float32 against every
+    earlier key, max-pools the scores into blocks of index_block_size key
+    slots, forces in the query's own block (and the local / init blocks), and
+    keeps the top index_topk_blocks per index head (kernels/msa.py has the
+    exact rule). Index head j serves query heads j * H/Hi ... (j+1) * H/Hi - 1,
+    which lie in one KV group, so index heads are split over ranks like the KV
+    heads (replicated when there are fewer than ranks); the key head is
+    replicated. No value or output projection: the indexer only selects.
+
+    Checkpoint names: `<attn>.index_q_proj.weight` [Hi * D, hidden],
+    `<attn>.index_k_proj.weight` [D, hidden], `<attn>.index_q_norm.weight`,
+    `<attn>.index_k_norm.weight` [D]. FP8 models keep the two projections in
+    FP8 like q/k/v (so they can share QKV's quantized input and GEMM).
     """
 
-    def __init__(self, config, prefix: str, *, dtype, device):
+    def __init__(self, config, ps: ParallelState, prefix: str, *, dtype, device, fp8: bool):
         super().__init__()
         dim, heads = config.index_head_dim, config.index_n_heads
-        self.index_q_proj = ReplicatedLinear(f"{prefix}.index_q_proj", config.hidden_size, heads * dim,
-                                             dtype=dtype, device=device)
+        i0, self.num_heads = head_group_range(heads, ps, "index_n_heads")
+        self.head_dim = dim
+        self.block_size = config.index_block_size
+        self.topk_blocks = config.index_topk_blocks
+        self.local_blocks = config.index_local_blocks
+        self.init_blocks = config.index_init_blocks
+        self.index_q_proj = ColumnParallelLinear([Piece(f"{prefix}.index_q_proj", heads * dim, i0 * dim,
+                                                        self.num_heads * dim)],
+                                                 config.hidden_size, dtype=dtype, device=device, fp8=fp8)
         self.index_k_proj = ReplicatedLinear(f"{prefix}.index_k_proj", config.hidden_size, dim,
-                                             dtype=dtype, device=device)
+                                             dtype=dtype, device=device, fp8=fp8)
         self.index_q_norm = RMSNorm(dim, config.rms_norm_eps, True, f"{prefix}.index_q_norm.weight",
                                     dtype=dtype, device=device)
         self.index_k_norm = RMSNorm(dim, config.rms_norm_eps, True, f"{prefix}.index_k_norm.weight",
                                     dtype=dtype, device=device)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, dim={self.head_dim}, block={self.block_size}, top-{self.topk_blocks}, "
+                f"local={self.local_blocks}, init={self.init_blocks}")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (index queries [T, heads, D], index keys [T, D])."""
+        iq = self.index_q_norm(self.index_q_proj(x).view(-1, self.num_heads, self.head_dim))
+        ik = self.index_k_norm(self.index_k_proj(x).view(-1, 1, self.head_dim))
+        return apply_rope(iq, cos, sin), apply_rope(ik, cos, sin)[:, 0]
+
+    def select(self, index_q: torch.Tensor, index_k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """int32 [T, heads, K] key blocks per query (index_k [B, L, D]: every key slot so far)."""
+        return torch.ops.minimax.msa_select(index_q, index_k, positions, self.block_size, self.topk_blocks,
+                                            self.local_blocks, self.init_blocks)
 
 
 class Attention(nn.Module):
@@ -141,6 +178,10 @@ class Attention(nn.Module):
       per_layer (M2) RMSNorm over the whole q (k) projection. That projection
                      is split over ranks, so the sum of squares is all-reduced
                      before dividing by the full width.
+
+    Sparse layers (M3's MSA) run the indexer on the same input and attend,
+    per query head, only to the key blocks its index head selected
+    (minimax::msa_attention); the others run dense causal SDPA.
     """
 
     def __init__(self, config, ps: ParallelState, prefix: str, *, dtype, device, fp8: bool, sparse: bool = False):
@@ -174,12 +215,23 @@ class Attention(nn.Module):
                 self.k_norm = RMSNorm(d, self.eps, gemma, f"{prefix}.k_norm.weight", dtype=dtype, device=device)
         self.o_proj = RowParallelLinear(f"{prefix}.o_proj", q0 * d, self.num_heads * d, hq * d, config.hidden_size,
                                         dtype=dtype, device=device, fp8=fp8)
-        self.indexer = SparseIndexer(config, prefix, dtype=dtype, device=device) if sparse else None
+        self.indexer = None
+        if sparse:
+            self.indexer = SparseIndexer(config, ps, prefix, dtype=dtype, device=device, fp8=fp8)
+            # The indexer reads QKV's input: keep its projections' rows right after QKV's,
+            # so the compiled model runs the three as one GEMM (graph_passes/fuse_indexer_qkv.py).
+            place_adjacent(self.qkv_proj, self.indexer.index_q_proj, self.indexer.index_k_proj)
         self.kv_cache = None  # a KVCache while model.allocate_kv_cache(...) is on
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() move each parameter on its own: stack the QKV + indexer rows again.
+        super()._apply(fn, recurse)
+        if self.indexer is not None:
+            place_adjacent(self.qkv_proj, self.indexer.index_q_proj, self.indexer.index_k_proj)
+        return self
 
     def forward(self, x, positions, cos, sin, attn_mask=None):
         """x [T, hidden]; positions [B, S]; cos/sin [T, rotary_dim/2]; attn_mask [B, 1, S, L] or None (causal)."""
-        batch, seq = positions.shape
         d = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q = q.reshape(-1, self.num_heads, d)
@@ -188,9 +240,16 @@ class Attention(nn.Module):
         if self.use_qk_norm:
             q, k = self.qk_norm(q, k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.indexer is not None:
+            out = self._sparse_attention(x, q, k, v, positions, cos, sin)
+        else:
+            out = self._dense_attention(q, k, v, positions, attn_mask)
+        return all_reduce(self.o_proj(out), self.ps)
 
+    def _dense_attention(self, q, k, v, positions, attn_mask):
+        batch, seq = positions.shape
         # [T, h, d] -> [B, h, S, d] for SDPA
-        q, k, v = (t.reshape(batch, seq, -1, d).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.reshape(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(k, v, positions)
         out = F.scaled_dot_product_attention(
@@ -199,8 +258,20 @@ class Attention(nn.Module):
             is_causal=attn_mask is None,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        out = out.transpose(1, 2).reshape(batch * seq, self.num_heads * d)
-        return all_reduce(self.o_proj(out), self.ps)
+        return out.transpose(1, 2).reshape(batch * seq, self.num_heads * self.head_dim)
+
+    def _sparse_attention(self, x, q, k, v, positions, cos, sin):
+        batch, seq = positions.shape
+        index_q, index_k = self.indexer(x, cos, sin)
+        index_k = index_k.reshape(batch, seq, -1)
+        k, v = (t.reshape(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (k, v))
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(k, v, positions)
+            index_k = self.kv_cache.update_index(index_k, positions)
+        blocks = self.indexer.select(index_q, index_k, positions)
+        out = torch.ops.minimax.msa_attention(q, k, v, blocks, positions, self.indexer.block_size,
+                                              self.head_dim ** -0.5)
+        return out.reshape(batch * seq, self.num_heads * self.head_dim)
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.per_layer_qk_norm:

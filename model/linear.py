@@ -31,7 +31,7 @@ from torch import nn
 
 from .. import kernels  # noqa: F401  (registers the minimax:: ops)
 from ..kernels.fp8 import FP8_DTYPE, WEIGHT_BLOCK, quantize_weight_fp8
-from .weights import LoadPlan, Shard, attach_plan, cols, rows
+from .weights import LoadPlan, Shard, attach_plan, cols, get_plan, rows
 
 __all__ = [
     "Piece",
@@ -40,6 +40,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "ReplicatedLinear",
+    "place_adjacent",
     "quantize_weight_fp8",
 ]
 
@@ -98,6 +99,7 @@ class ParallelLinear(nn.Module):
         if in_len != in_features:
             raise ShardingError(f"{self.name}: in_range length {in_len} != in_features {in_features}")
         self.in_features = in_features
+        self.in_full = in_full  # the checkpoint tensors' whole K (a row-parallel shard holds a slice)
         self.out_features = sum(p.size for p in self.pieces)
         self.fp8 = fp8
         self.act_group_size = act_group_size
@@ -201,3 +203,31 @@ class ReplicatedLinear(ParallelLinear):
 
     def __init__(self, prefix: str, in_features: int, out_features: int, **kw):
         super().__init__([Piece(prefix, out_features)], in_features, **kw)
+
+
+@torch.no_grad()
+def place_adjacent(*linears: ParallelLinear) -> bool:
+    """Re-allocate the weights (and FP8 block scales) of linears that read the same
+    input as consecutive rows of one buffer, keeping their values and load plans.
+
+    The model computes the same; a compiler may then run them as one GEMM over a
+    view spanning the rows (kernels/stacked_gemm.py). FP8 scales stack only when
+    every weight but the last ends on a 128-row block: otherwise nothing moves
+    and this returns False.
+    """
+    kinds = {(lin.fp8, lin.weight.dtype, lin.in_features, lin.weight.device) for lin in linears}
+    if len(kinds) != 1:
+        raise ShardingError(f"place_adjacent: {[lin.name for lin in linears]} differ in dtype, K or device")
+    fp8 = linears[0].fp8
+    if fp8 and any(lin.out_features % WEIGHT_BLOCK for lin in linears[:-1]):
+        return False
+    for attr in ("weight", "weight_scale_inv") if fp8 else ("weight",):
+        old = [getattr(lin, attr) for lin in linears]
+        base = torch.cat([t.data for t in old], dim=0)
+        start = 0
+        for lin, t in zip(linears, old):
+            p = nn.Parameter(base[start:start + t.shape[0]], requires_grad=False)
+            attach_plan(p, get_plan(t))
+            setattr(lin, attr, p)
+            start += t.shape[0]
+    return True

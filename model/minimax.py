@@ -13,8 +13,11 @@ FP8 linears), model/parallel.py (layout + collectives), model/kv_cache.py.
 Not called by forward:
   * MTPModule (`model.mtp[i]`): the multi-token-prediction head for
     speculative decoding, run by a caller as `model.mtp[0](hidden, next_ids, positions)`.
-  * SparseIndexer weights on config.sparse_attention_layers: loaded and kept;
-    attention is dense, which equals M3's sparse attention up to 2048 tokens.
+
+Sparse attention (MSA) on config.sparse_attention_layers: the indexer picks
+index_topk_blocks key blocks per query and index head, and attention runs over
+those blocks only (model/layers.py: SparseIndexer, Attention; the ops in
+kernels/msa.py). The other layers attend densely.
 
 Checkpoint names (HF layout; load plans carry them):
     model.embed_tokens.weight, model.norm.weight, lm_head.weight
@@ -80,7 +83,7 @@ class MiniMaxForCausalLM(nn.Module):
 
     `parallel_state` picks this rank's shards (None: one device). `quantize_fp8`
     (or config.quant_method == "fp8") makes the attention, MLP and expert linears
-    FP8 block-scaled; embedding, norms, router, indexer, MTP eh_proj and lm_head
+    FP8 block-scaled (the indexer's projections too); embedding, norms, router, MTP eh_proj and lm_head
     stay in `dtype`. Weights are uninitialized: load a checkpoint through the
     load plans (model/checkpoint.py) or call init_random_weights.
     """
@@ -139,12 +142,14 @@ class MiniMaxForCausalLM(nn.Module):
 
     # ------------------------------------------------------------- KV cache
     def allocate_kv_cache(self, batch: int, max_len: int) -> None:
-        """Preallocate static K/V buffers; later forwards write at `positions` and
-        attend over the cache (prefill and decode share one code path)."""
+        """Preallocate static K/V buffers (and the index-K buffer of each sparse layer);
+        later forwards write at `positions` and attend over the cache (prefill and
+        decode share one code path)."""
         for layer in self.layers:
             attn = layer.self_attn
             attn.kv_cache = KVCache(batch, max_len, attn.num_kv_heads, attn.head_dim,
-                                    dtype=self.dtype, device=self.embed_tokens.weight.device)
+                                    dtype=self.dtype, device=self.embed_tokens.weight.device,
+                                    index_head_dim=attn.indexer.head_dim if attn.indexer is not None else 0)
 
     def free_kv_cache(self) -> None:
         for layer in self.layers:

@@ -211,7 +211,10 @@ def test_load_plans_name_every_checkpoint_tensor():
     fp8_names = {n for plan in _plans(fp8).values() for n in plan.names}
     scales = {n for n in fp8_names if n.endswith("weight_scale_inv")}
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight_scale_inv" in scales
-    assert not any("gate.weight_scale_inv" in n or "norm" in n or "lm_head" in n or "index_" in n for n in scales)
+    assert not any("gate.weight_scale_inv" in n or "norm" in n or "lm_head" in n for n in scales)
+    # The indexer's projections are FP8 like q/k/v (they share QKV's quantized input and GEMM).
+    assert {"model.layers.1.self_attn.index_q_proj.weight_scale_inv",
+            "model.layers.1.self_attn.index_k_proj.weight_scale_inv"} <= scales
     tied = build_model(cfg.replace(tie_word_embeddings=True), SINGLE, torch.bfloat16)
     assert get_plan(tied.lm_head.weight).names == ("model.embed_tokens.weight",)
 
@@ -266,7 +269,8 @@ def test_shards_tile_every_checkpoint_tensor(make, tp, ep):
         assert covered.min() >= 1, f"{name}: part of dim {d} is on no rank"
         replicated_kv = (".k_proj." in name or ".v_proj." in name or ".k_norm." in name) and \
             cfg.num_key_value_heads < tp
-        if not replicated_kv:
+        replicated_index = ".index_q_proj." in name and cfg.index_n_heads < tp  # follows the KV rule
+        if not (replicated_kv or replicated_index):
             assert covered.max() == 1, f"{name}: a slice is held by two ranks"
 
 
