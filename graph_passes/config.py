@@ -25,6 +25,7 @@ CODEGENS = ("inductor", "fx")
 # Passes with an auto/on/off switch, in pipeline order (cleanup always runs).
 PASS_SWITCHES = (
     "moe_canonicalize",
+    "fuse_indexer_qkv",
     "sequence_parallel",
     "fuse_norm_quant",
     "gemm_reduce_scatter",
@@ -45,6 +46,7 @@ class BackendConfig:
     # Per-pass switch: "auto" follows the pass's own rule, "on" forces it (and
     # makes finding nothing a failure), "off" skips it.
     moe_canonicalize: str = _mode(doc="eager MoE -> one minimax::moe op")
+    fuse_indexer_qkv: str = _mode(doc="sparse layers: QKV + indexer projections -> one GEMM")
     sequence_parallel: str = _mode(doc="residual stream split by token across TP ranks")
     fuse_norm_quant: str = _mode(doc="RMSNorm + FP8 quantize -> one kernel")
     gemm_reduce_scatter: str = _mode(doc="matmul + reduce-scatter -> one overlapped op")

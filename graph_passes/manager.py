@@ -26,6 +26,7 @@ log = logging.getLogger("minimax")
 DEFAULT_ORDER: tuple[str, ...] = (
     "cleanup",
     "moe_canonicalize",
+    "fuse_indexer_qkv",
     "sequence_parallel",
     "fuse_norm_quant",
     "gemm_reduce_scatter",

@@ -120,7 +120,7 @@ def _region_kind(rs_input: fx.Node, stop: set[fx.Node]) -> str:
         return "embedding"
     if aten.topk.default in targets or any(str(t).startswith("minimax.moe") for t in targets):
         return "moe"
-    if any("scaled_dot_product" in str(t) for t in targets):
+    if any("scaled_dot_product" in str(t) or "msa_attention" in str(t) for t in targets):
         return "attention"
     return "dense_mlp"
 
