@@ -39,6 +39,12 @@ def test_run_json_at_tp2_ep2(tmp_path):
     assert r["ops_after"]["minimax.gemm_rs"] == 4
     assert r["ops_after"]["minimax.mega_moe"] == 2
     assert r["ops_after"]["_c10d_functional.reduce_scatter_tensor"] == 1  # the embedding's
+    # tiny-m3's layers 1 and 2 are MSA layers: the run says so, and their indexer rides on QKV's GEMM
+    assert r["attention"]["sparse_layers"] == [1, 2] and r["attention"]["dense_layers"] == [0]
+    assert "attention: MSA (sparse) on layers [1, 2]" in proc.stdout
+    fused = next(p for p in r["passes"] if p["name"] == "fuse_indexer_qkv")
+    assert fused["enabled"] and fused["matches"] == 2
+    assert r["ops_after"]["minimax.stacked_gemm"] == 2 and r["ops_after"]["minimax.msa_attention"] == 2
     assert r["numerics"]["argmax_agreement"] == 1.0
     assert r["numerics"]["max_rel_err"] < 2e-2
     assert r["decode_numerics"]["argmax_agreement"] == 1.0

@@ -202,6 +202,7 @@ def run_job(rank: int, world_size: int, args: RunArgs) -> None:
         "device": device.type,
         "model_type": config.model_type,
         "checkpoint": str(args.checkpoint),
+        "attention": _attention_summary(config),
         "passes": report.get("passes", []),
         "ops_before": report.get("ops_before", {}),
         "ops_after": report.get("ops_after", {}),
@@ -222,6 +223,17 @@ def run_job(rank: int, world_size: int, args: RunArgs) -> None:
         print(f"logits written to {args.save_logits}")
 
 
+def _attention_summary(config) -> dict[str, Any]:
+    sparse = list(config.sparse_attention_layers)
+    return {
+        "sparse_layers": sparse,
+        "dense_layers": [i for i in range(config.num_hidden_layers) if i not in sparse],
+        "block_size": config.index_block_size,
+        "topk_blocks": config.index_topk_blocks,
+        "index_heads": config.index_n_heads,
+    }
+
+
 def _cudagraph_summary(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """Captured token counts, uncaptured ones and the shared pool size over this job's compiles."""
     infos = [r.get("cudagraphs") or {} for r in reports]
@@ -238,6 +250,11 @@ def print_summary(result: dict[str, Any]) -> None:
     print()
     print(f"== minimax run: {result['model_type']} TP {result['tp']} EP {result['ep']}, "
           f"{result['batch']} x {result['tokens']} tokens, {result['dtype']} on {result['device']}")
+    a = result.get("attention")
+    if a:
+        msa = (f"MSA (sparse) on layers {a['sparse_layers']}: top {a['topk_blocks']} blocks of {a['block_size']} keys "
+               f"per query, {a['index_heads']} index heads" if a["sparse_layers"] else "no sparse layers")
+        print(f"attention: {msa}; dense on layers {a['dense_layers']}")
     print("passes:")
     for p in result["passes"]:
         state = "on " if p.get("enabled") else "off"
