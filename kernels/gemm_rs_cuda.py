@@ -322,7 +322,7 @@ def choose_schedule(tokens: int, k: int, fp8: bool = False) -> str:
     on the GEMM's time per row, i.e. K (FP8 counts as FP8_K_FACTOR x K).
 
     Measured on 2 x H200, N = 6144 (2026-11-30, bench_gemm_rs --schedules epilogue
-    sum_after, tools/results/2026-11-30_h200x2_gemm_rs_schedules.json): epilogue faster
+    sum_after, docs/results/2026-11-30_h200x2_gemm_rs_schedules.json): epilogue faster
     from M' x K_eff = 12 Mi with K_eff >= 2048 (BF16: M >= 8192 at K = 2048, 4096 at
     K = 4096, 2048 at K = 6144; FP8: M >= 8192 at K = 4096, 4096 at K = 6144, never at
     K = 2048, where the FP8 GEMM of a piece is shorter than the push before it)."""
@@ -361,7 +361,7 @@ def piece_bounds(rows: int, pieces: int) -> list[tuple[int, int]]:
 def push_mode() -> str:
     """'copy': GEMM into a local stage, the copy engine pushes it; 'store': the GEMM writes
     the peer's slot itself, over NVLink (no stage, no copy engine, but the main stream waits
-    for the start barrier). Measured on 2 x H200 (tools/results/2026-11-30_h200x2_gemm_rs_push.json):
+    for the start barrier). Measured on 2 x H200 (docs/results/2026-11-30_h200x2_gemm_rs_push.json):
     store is slower nearly everywhere (BF16 K = 4096, M = 4096: 370 vs 306 us; FP8 K = 2048,
     M = 8192: 337 vs 252), even at M = 32768 (within 3%): cuBLAS's epilogue stores to NVLink
     hold the GEMM up. Kept as the option to re-measure on other NVLink generations."""
@@ -401,7 +401,7 @@ def own_rows_sum_after(ws: _Workspace, gemm: _RowsGemm, tokens: int) -> torch.Te
     """sum_after: GEMM my rows into my slot beside the last push; after the barrier, sum the W slots.
 
     Summing each piece on the side stream beside the next GEMM was measured slower on
-    2 x H200 (FP8 K = 6144: 340 vs 306 us at M = 4096; tools/results/
+    2 x H200 (FP8 K = 6144: 340 vs 306 us at M = 4096; docs/results/
     2026-11-30_h200x2_gemm_rs_sum_overlap.json): the sum does not run beside cuBLAS's GEMM."""
     lo = ws.rank * ws.rows
     gemm(lo, min(lo + ws.rows, tokens), ws.sym[ws.rank])

@@ -100,7 +100,7 @@ def launch_config(k: int, group_size: int, m: int, split: bool | None = None) ->
     # Two exact tiles instead of one padded one where the group count allows (6144 = 32 + 16
     # groups): measured on the H200 at hidden 6144, 2026-11-30, 8 warps, one row per program:
     # 0.050 / 0.094 / 0.182 ms at M = 4096 / 8192 / 16384 against 0.055 / 0.101 / 0.196 for
-    # the best one-tile launch (tools/results/2026-11-30_h200_norm_quant_split.json).
+    # the best one-tile launch (docs/results/2026-11-30_h200_norm_quant_split.json).
     if ng_b == 0 and 2048 < tile <= 8192 and m >= 4096:
         # one padded tile: 4 warps beat 8 by 8-9% at M = 4096-16384 (same card and day)
         warps = 4

@@ -16,7 +16,7 @@ Three parts, each a table, all in one JSON:
    (split_tiles); `fused_ms` is the default launch, `fused_best_ms` the best
    of the sweep. (Persistent grids of 2, 4 or 8 programs per SM were swept
    on the H200 on 2026-11-30 and were slower at every M:
-   tools/results/2026-11-30_h200_norm_quant_persistent_sweep.json.) Parts 1 and 2 time CUDA-graph replays of 10 back-to-back calls
+   docs/results/2026-11-30_h200_norm_quant_persistent_sweep.json.) Parts 1 and 2 time CUDA-graph replays of 10 back-to-back calls
    (as the backend runs them; --no-graphs times single Python launches,
    which at these sizes mostly measures the host). Each M also
    reports whether the fused outputs equal the reference (fraction of equal
