@@ -668,12 +668,13 @@ def save_random_checkpoint(
 ) -> Path:
     """Build ``config``'s model at TP 1, fill it deterministically (``seed``) and write it.
 
-    Values come from ``model.minimax.init_random_weights`` (they depend only on
+    Values come from ``model.random_weights.init_random_weights`` (they depend only on
     seed, name and global index, so a TP-N in-memory random model is the same
     model). ``fp8=True`` (or an FP8 config) writes FP8 weights + ``weight_scale_inv`` and a
     ``quantization_config`` in config.json. Returns ``out_dir``.
     """
-    from .minimax import build_model, init_random_weights
+    from .minimax import build_model
+    from .random_weights import init_random_weights
     from .parallel import ParallelState
 
     if fp8 and not config.is_fp8:

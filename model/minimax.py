@@ -34,8 +34,6 @@ FP8 linears add `<name>.weight_scale_inv` next to each `<name>.weight`.
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 from torch import nn
 
@@ -45,7 +43,7 @@ from .layers import Attention, GatedMLP, RMSNorm, VocabParallelEmbedding, rope_c
 from .linear import ColumnParallelLinear, ParallelLinear, Piece, ReplicatedLinear
 from .moe import MoE
 from .parallel import ParallelState, all_gather
-from .weights import Shard, get_plan
+from .random_weights import init_random_weights
 
 __all__ = ["MiniMaxForCausalLM", "DecoderLayer", "MTPModule", "build_model", "init_random_weights"]
 
@@ -214,77 +212,3 @@ def build_model(config: MiniMaxConfig, parallel_state: ParallelState | None = No
                 quantize_fp8: bool = False) -> MiniMaxForCausalLM:
     """The model with uninitialized weights (load a checkpoint or call init_random_weights)."""
     return MiniMaxForCausalLM(config, parallel_state, dtype, device, quantize_fp8).eval()
-
-
-def _hash_uniform(name: str, seed: int, index: torch.Tensor) -> torch.Tensor:
-    """Deterministic pseudo-random values in [-1, 1) from (seed, tensor name, global element index):
-    an integer mixing hash in int64 (kept to 32 bits), cheap and identical on every rank."""
-    mask = 0xFFFFFFFF
-    x = (index * 0x9E3779B1 + zlib.crc32(f"{seed}:{name}".encode())) & mask
-    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & mask
-    x = ((x ^ (x >> 12)) * 0x297A2D39) & mask
-    x = x ^ (x >> 15)
-    return (x & 0xFFFFFF).float() * (2.0 / 2**24) - 1.0
-
-
-_PIECE_CACHE: dict[tuple, torch.Tensor] = {}
-
-
-def _random_piece(p: Shard, local_shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """This rank's slice of checkpoint tensor p.name, generated without knowing its full
-    shape: each element's value depends only on its global (row, col) index."""
-    key = (p.name, p.dim, p.start, local_shape, seed)
-    if key in _PIECE_CACHE:
-        return _PIECE_CACHE[key]
-    idx = [torch.arange(n, dtype=torch.int64) for n in local_shape]
-    if p.dim is not None:
-        idx[p.dim] = idx[p.dim] + p.start
-    flat = idx[0] if len(idx) == 1 else idx[0][:, None] * 1_000_003 + idx[1][None, :]
-    values = _hash_uniform(p.name, seed, flat)
-    if values.numel() <= 1 << 20:  # tests build the same small weights many times; big ones are not kept
-        if len(_PIECE_CACHE) > 4096:
-            _PIECE_CACHE.clear()
-        _PIECE_CACHE[key] = values
-    return values
-
-
-def _init_scale(name: str, config: MiniMaxConfig) -> tuple[float, float]:
-    """(offset, amplitude) of the uniform init for a checkpoint tensor, by name."""
-    if name.endswith("norm.weight"):
-        return (0.0, 0.1) if config.use_gemma_norm else (1.0, 0.1)
-    if name.endswith("e_score_correction_bias"):
-        return 0.0, 0.05
-    if name.endswith("gate.weight"):  # router: logits of order 1 so top-k ties are rare
-        return 0.0, 3.0 / config.hidden_size ** 0.5
-    if name.endswith("embed_tokens.weight"):
-        return 0.0, 1.0
-    return 0.0, 1.7 / config.hidden_size ** 0.5  # ~ unit-variance outputs for unit inputs
-
-
-@torch.no_grad()
-def init_random_weights(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Fill every parameter / persistent buffer from its load plan with deterministic
-    values that depend only on (seed, checkpoint name, global index): the same full
-    weights at every TP / EP size, so logits can be compared across layouts.
-    FP8 linears are drawn in float and quantized per 128 x 128 block."""
-    config = model.config
-    done = set()
-    for m in model.modules():
-        if not isinstance(m, ParallelLinear):
-            continue
-        # A fused linear stacks its pieces' rows; each piece has a known local size.
-        parts = []
-        for source, piece in zip(get_plan(m.weight).pieces, m.pieces):
-            off, amp = _init_scale(source.name, config)
-            parts.append(off + amp * _random_piece(source, (piece.size, m.in_features), seed))
-        m.set_weight(torch.cat(parts, dim=0).float())
-        done.update({id(m.weight), id(m.weight_scale_inv)})
-    for _, t in list(model.named_parameters()) + list(model.named_buffers()):
-        plan = get_plan(t)
-        if plan is None or id(t) in done:
-            continue
-        if len(plan.pieces) != 1:
-            raise ValueError(f"init_random_weights: no rule for a fused non-linear tensor {plan}")
-        off, amp = _init_scale(plan.pieces[0].name, config)
-        t.copy_((off + amp * _random_piece(plan.pieces[0], tuple(t.shape), seed)).to(t.dtype))
-    return model

@@ -150,9 +150,12 @@ def _check(name: str, ranks: list[dict]):
         elif dtype == torch.float32:
             torch.testing.assert_close(b, a, atol=2e-4, rtol=0, msg=lambda m: f"{name}: {m}")
         else:
-            close = ((b - a).abs() <= 0.1 + 0.02 * a.abs()).flatten(0, -2).all(dim=-1)
-            allowed = max(1, close.numel() // 10)
-            assert (~close).sum() <= allowed, f"{name}: {(~close).sum()} of {close.numel()} tokens differ from TP 1"
+            # BF16: another summation order moves a token's logits by about 0.5% of the largest
+            # (well-conditioned weights, model/random_weights.py); 2% per token, except where a
+            # near-tie in the router picks another expert (at most one token here)
+            err = (b - a).abs().flatten(0, -2).amax(dim=-1) / a.abs().max()
+            close = err <= 0.02
+            assert (~close).sum() <= 1, f"{name}: {(~close).sum()} of {close.numel()} tokens differ from TP 1: {err}"
 
 
 @pytest.mark.parametrize("name", WORLD[2])

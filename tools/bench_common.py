@@ -8,7 +8,6 @@ with the date, the hardware and the software versions.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import platform
 import statistics
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn as nn
 
 
 def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, barrier: Callable[[], None] | None = None) -> float:
@@ -106,38 +104,40 @@ def gpu_timeline(events) -> list[dict[str, Any]]:
              "stream": e.device_resource_id, "name": e.name} for e in gpu]
 
 
+def copy_bandwidth_gbs(device: torch.device) -> float:
+    """Device-to-device copy of 1 GiB (bytes read + written per second, GB/s): the memory ceiling."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), warmup=3, repeats=10)
+    return 2 * n / ms / 1e6
+
+
+def gemm_tflops(device: torch.device, fp8: bool = False, n: int = 8192) -> float:
+    """A plain n^3 GEMM's rate on random data: torch.mm in BF16, or FP8 with 1 x 128 / 128 x 128
+    block scales through minimax::fp8_block_gemm (torch._scaled_mm blockwise on the H200)."""
+    if device.type != "cuda":
+        n = 256
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, generator=g, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, generator=g, device=device, dtype=torch.bfloat16)
+    if fp8:
+        from minimax_backend.kernels.fp8 import quantize_weight_fp8
+
+        aq, as_ = torch.ops.minimax.quantize_fp8(a, 128)
+        bq, bs = quantize_weight_fp8(b)
+        fn = lambda: torch.ops.minimax.fp8_block_gemm(aq, as_, bq, bs, torch.bfloat16)  # noqa: E731
+    else:
+        fn = lambda: a @ b  # noqa: E731
+    ms = median_ms(fn, warmup=3, repeats=10)
+    return 2 * n ** 3 / ms / 1e9
+
+
 def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row FP8 E4M3 quantization (the scaling torch's own FP8 ops take): data, float32 scales [rows]."""
     amax = t.float().abs().amax(dim=-1).clamp(min=1e-12)
     scale = amax / 448.0
     return (t.float() / scale.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn), scale
-
-
-def _seed_of(name: str, seed: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 62) - 1)
-
-
-@torch.no_grad()
-def fast_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights generated on the tensors' own device, fast at real width.
-
-    Each tensor's generator is seeded from its name, so replicated tensors
-    (norms, router) are identical on every rank, as tensor parallelism needs.
-    FP8 weights get random E4M3 values and unit block scales; norm weights
-    stay near their identity value.
-    """
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if not t.is_floating_point():
-            continue
-        gen = torch.Generator(device=t.device).manual_seed(_seed_of(name, seed))
-        if t.dtype == torch.float8_e4m3fn:
-            t.copy_((torch.randn(t.shape, generator=gen, device=t.device) * 0.5).to(t.dtype))
-        elif "scale" in name:
-            t.fill_(std * 4)
-        elif t.dim() == 1:
-            t.copy_(torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32) * 0.01)
-        else:
-            t.copy_(torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.float32) * std)
 
 
 def hardware() -> dict[str, Any]:

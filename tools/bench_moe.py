@@ -50,7 +50,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from minimax_backend.tools.bench_common import rowwise_fp8
+from minimax_backend.tools.torch_baseline import TorchGrouped
 
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 SXM dense
 HBM_BYTES_PER_S = 4.8e12
@@ -79,50 +79,6 @@ def _timer(device: torch.device, warmup: int, repeats: int, barrier) -> Callable
     return cpu_ms
 
 
-# ------------------------------------------------ torch grouped-GEMM experts
-class TorchGrouped:
-    """Experts as torch._grouped_mm / torch._scaled_grouped_mm over stacked weights (built once)."""
-
-    def __init__(self, w13: list, w2: list, w13_scale, w2_scale, fp8: bool):
-        from minimax_backend.kernels.fp8 import dequantize_weight_fp8
-
-        self.fp8 = fp8
-        if fp8:  # re-quantize the 128 x 128 block weights per output row (the format torch takes)
-            def rows(ws, ss):
-                qs, scales = zip(*(rowwise_fp8(dequantize_weight_fp8(w, s)) for w, s in zip(ws, ss)))
-                return torch.stack(qs), torch.stack(scales)
-
-            self.w13, self.s13 = rows(w13, w13_scale)
-            self.w2, self.s2 = rows(w2, w2_scale)
-        else:
-            self.w13, self.w2 = torch.stack(list(w13)), torch.stack(list(w2))
-
-    def _mm(self, a, w, s, offs):
-        if self.fp8:
-            aq, sa = rowwise_fp8(a)
-            return torch._scaled_grouped_mm(aq, w.transpose(1, 2), sa, s, offs=offs, out_dtype=torch.bfloat16)
-        return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
-
-    def __call__(self, x, ids, weights, expert_offset, kind, alpha, limit, beta) -> torch.Tensor:
-        from minimax_backend.kernels.moe import activation
-
-        t, k = ids.shape
-        g = self.w13.shape[0]
-        flat = ids.reshape(-1) - expert_offset
-        local = (flat >= 0) & (flat < g)
-        e = torch.where(local, flat, torch.full_like(flat, g))
-        order = torch.argsort(e, stable=True)
-        counts = torch.zeros(g + 1, dtype=torch.int64, device=x.device).scatter_add_(0, e, torch.ones_like(e))
-        offs = torch.cumsum(counts[:g], 0).to(torch.int32)
-        tok = order // k
-        gate, up = self._mm(x[tok], self.w13, getattr(self, "s13", None), offs).chunk(2, dim=-1)
-        h = activation(gate, up, kind, alpha, limit, beta).to(x.dtype).contiguous()
-        y = self._mm(h, self.w2, getattr(self, "s2", None), offs)
-        keep = local[order]
-        y = torch.where(keep[:, None], y.float() * weights.reshape(-1)[order][:, None], torch.zeros((), device=x.device))
-        return torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
-
-
 def torch_grouped_path(w_args: tuple, fp8: bool):
     """(experts, weights_cls) for kernels.moe.mega_moe_reference with the torch grouped GEMMs."""
     from minimax_backend.kernels.moe import MoEWeights
@@ -148,7 +104,7 @@ def build_block(preset: str, rank: int, world: int, fp8: bool, device: torch.dev
     from minimax_backend.model.config import load_preset
     from minimax_backend.model.moe import MoE
     from minimax_backend.model.parallel import ParallelState
-    from minimax_backend.tools.bench_common import fast_random_weights
+    from minimax_backend.model.random_weights import fast_random_weights
 
     cfg = load_preset(preset)
     group = dist.group.WORLD.group_name if world > 1 else None
@@ -156,10 +112,7 @@ def build_block(preset: str, rank: int, world: int, fp8: bool, device: torch.dev
     layer = cfg.moe_layers[0] if cfg.moe_layers else 0
     with torch.device(device):
         blk = MoE(cfg, ps, f"model.layers.{layer}.block_sparse_moe", dtype=torch.bfloat16, device=device, fp8=fp8)
-    fast_random_weights(blk, seed=seed)
-    # a router at the checkpoint's scale: logits of order 1, so the routing spreads over the experts
-    with torch.no_grad():
-        blk.gate.weight.normal_(0.0, 1.0 / cfg.hidden_size ** 0.5, generator=torch.Generator(device).manual_seed(seed))
+    fast_random_weights(blk, seed=seed, config=cfg)  # router logits of std ~1: routing spreads over the experts
     return cfg, blk.eval()
 
 

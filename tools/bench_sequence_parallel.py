@@ -29,7 +29,8 @@ def job(rank: int, world: int, args) -> None:
     from minimax_backend.model.config import load_preset
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState
-    from minimax_backend.tools.bench_common import fast_random_weights, median_ms, print_table, write_json
+    from minimax_backend.model.random_weights import fast_random_weights
+    from minimax_backend.tools.bench_common import median_ms, print_table, write_json
     from minimax_backend.tools.run_job import compare_logits
 
     torch._dynamo.config.cache_size_limit = 64
