@@ -1,7 +1,8 @@
-"""End to end: an M3-shaped model, eager vs stock torch.compile vs our backend,
-and an ablation that turns each of our passes off in turn.
+"""End to end: an M3-shaped model, our backend against the strongest torch
+alternative and the plain model, an ablation that turns each of our passes
+off in turn, and the hardware floor.
 
-    python -m minimax_backend.tools.bench_e2e --tp 2 --ep 2 --json e2e.json
+    python -m minimax_backend.tools.bench_e2e --tp 1 --ep 1 --json e2e.json     # one H200
 
 The model is the `m3-slice` preset at real width (hidden 6144, 64 query / 4
 KV heads, 128 experts top-4, the 3 dense layers and `--moe-layers` MoE
@@ -10,11 +11,24 @@ layers), FP8 block-scaled weights, random. Workloads: prefill of
 `--decode-batch` size with a `--context`-token KV cache (filled with random
 values: the attention cost does not depend on them). Variants:
 
-  eager            the model as written
-  inductor         torch.compile(model) (Inductor default)
-  reduce-overhead  torch.compile(model, mode="reduce-overhead")
+  torch-grouped    THE BASELINE: the model as a careful torch user writes it for
+                   speed (tools/torch_baseline.py: grouped-GEMM experts, plain-torch
+                   FP8 quantization) under torch.compile(mode="reduce-overhead")
   minimax          backend="minimax", every default (passes + CUDA graphs)
-  minimax-no-X     the same with X off (sp, normquant, gemmrs, megamoe, cudagraphs)
+  minimax-no-X     the same with X off (moe = no MoE rewrite at all, sp, normquant,
+                   gemmrs, megamoe, cudagraphs)
+  eager            the plain model as written (the numerics reference)
+  inductor         torch.compile(plain model); reduce-overhead: with CUDA graphs.
+                   Under tracing the plain model's MoE runs every local expert on
+                   every token (static shapes), so these measure that loop; they are
+                   the "plain model" rows, not the baseline to beat.
+
+Floors, from the same run: the device-to-device copy bandwidth and a plain
+GEMM's rate (FP8 block-scaled torch._scaled_mm and BF16 torch.mm, 8192^3) are
+measured first; decode rows give the step's bytes (tools/roofline.py: every
+weight the batch touches and the KV it attends to) over that bandwidth
+(`floor_ms`, and ours over it), prefill rows the matrix FLOPs over our time as
+TFLOP/s and as a fraction of the plain GEMM's rate.
 
 Each variant is compiled on its first call at each size (timed as compile_s),
 then timed (CUDA events, medians of --repeats, a barrier before each call so
@@ -34,18 +48,22 @@ import torch
 import torch.distributed as dist
 
 ABLATIONS = {
+    "minimax-no-moe": {"moe_canonicalize": "off"},
     "minimax-no-sp": {"sequence_parallel": "off"},
     "minimax-no-normquant": {"fuse_norm_quant": "off"},
     "minimax-no-gemmrs": {"gemm_reduce_scatter": "off"},
     "minimax-no-megamoe": {"moe_lower": "off"},
     "minimax-no-cudagraphs": {"cudagraphs": False},
 }
-VARIANTS = ("eager", "inductor", "reduce-overhead", "minimax", *ABLATIONS)
+VARIANTS = ("eager", "torch-grouped", "inductor", "reduce-overhead", "minimax", *ABLATIONS)
+DEFAULT_VARIANTS = ("eager", "torch-grouped", "minimax", *ABLATIONS)
 
 
-def make_variant(name: str, model, tp: int, ep: int):
+def make_variant(name: str, model, tp: int, ep: int, baseline_model=None):
     if name == "eager":
         return model
+    if name == "torch-grouped":
+        return torch.compile(baseline_model, mode="reduce-overhead", fullgraph=True, dynamic=False)
     if name == "inductor":
         return torch.compile(model, fullgraph=True, dynamic=False)
     if name == "reduce-overhead":
@@ -81,7 +99,9 @@ def _fill_cache(model, batch: int, context: int, seed: int) -> None:
     gen = torch.Generator(model.lm_head.weight.device).manual_seed(seed)
     for layer in model.layers:
         cache = layer.self_attn.kv_cache
-        for buf in (cache.k, cache.v):
+        for buf in (cache.k, cache.v, cache.index_k):
+            if buf.numel() == 0:  # a dense layer has no index-K cache
+                continue
             buf.copy_(torch.randn(buf.shape, generator=gen, device=buf.device, dtype=torch.float32).to(buf.dtype))
 
 
@@ -90,7 +110,8 @@ def job(rank: int, world: int, args) -> None:
     from minimax_backend.model.config import load_preset
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState
-    from minimax_backend.tools.bench_common import fast_random_weights, median_ms, write_json
+    from minimax_backend.model.random_weights import fast_random_weights
+    from minimax_backend.tools.bench_common import median_ms, write_json
     from minimax_backend.tools.run_job import compare_logits, sync_device
 
     for name in ("recompile_limit", "cache_size_limit"):
@@ -106,24 +127,40 @@ def job(rank: int, world: int, args) -> None:
     dense = len(base.dense_layers)
     config = base.replace(num_hidden_layers=dense + args.moe_layers,
                           mlp_layer_types=("dense",) * dense + ("moe",) * args.moe_layers)
+    if args.attention == "dense":  # the model before MSA: every layer attends densely (not M3 past 2048 keys)
+        config = config.replace(sparse_attention_layers=())
     config.validate_for_parallel(world, args.ep)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    model = build_model(config, ParallelState.from_world(args.ep), dtype=torch.bfloat16, device=device,
+    def new_model():
+        m = build_model(config, ParallelState.from_world(args.ep), dtype=torch.bfloat16, device=device,
                         quantize_fp8=not args.bf16)
-    fast_random_weights(model, seed=0)
-    model.eval()
+        return fast_random_weights(m, seed=0).eval()
+
+    model = new_model()
+    baseline_model = None
+    if "torch-grouped" in args.variants:  # its own instance (changed in place), the same weights
+        from minimax_backend.tools.torch_baseline import to_torch_baseline
+
+        baseline_model = to_torch_baseline(new_model())
+    floors = _measure_floors(device)
+    progress(f"floors: copy {floors['copy_gbs']:.0f} GB/s, plain GEMM FP8 {floors['fp8_tflops']:.0f} / "
+             f"BF16 {floors['bf16_tflops']:.0f} TFLOP/s")
     progress(f"built {args.preset}: {dense} dense + {args.moe_layers} MoE layers, "
+             f"attention: {'MSA on layers ' + str(list(config.sparse_attention_layers)) if config.sparse_attention_layers else 'dense everywhere'}, "
              f"{'BF16' if args.bf16 else 'FP8'} weights, TP {world} / EP {args.ep}")
-    variants = {name: make_variant(name, model, world, args.ep) for name in args.variants}
+    variants = {name: make_variant(name, model, world, args.ep, baseline_model) for name in args.variants}
     barrier = dist.barrier if dist.is_initialized() else None
     rows, compile_info = [], {}
     with torch.no_grad():
         for work in _workloads(args):
             label = f"{work['kind']} {work['tokens'] if work['kind'] == 'prefill' else 'batch ' + str(work['batch'])}"
-            if work["kind"] == "decode":
-                _fill_cache(model, work["batch"], args.context, seed=work["batch"])
-            else:
-                model.free_kv_cache()
+            for m in (model, baseline_model):
+                if m is None:
+                    continue
+                if work["kind"] == "decode":
+                    _fill_cache(m, work["batch"], args.context, seed=work["batch"])
+                else:
+                    m.free_kv_cache()
             ids, pos = _inputs(work, config, device, args.context)
             row = {"workload": work["kind"], "tokens": work["tokens"], "batch": work["batch"]}
             reference = None
@@ -154,22 +191,50 @@ def job(rank: int, world: int, args) -> None:
             for name in args.variants:
                 if name != "eager" and "eager" in variants:
                     row[f"x_vs_eager_{name}"] = row["eager_ms"] / row[f"{name}_ms"]
+            _floor_columns(row, work, config, world, args, floors)
             if "minimax" in variants:
-                for name in ("inductor", "reduce-overhead", *ABLATIONS):
+                for name in ("torch-grouped", "inductor", "reduce-overhead", *ABLATIONS):
                     if name in variants:
                         row[f"minimax_x_vs_{name}"] = row[f"{name}_ms"] / row["minimax_ms"]
             rows.append(row)
             del reference
             if rank == 0 and args.json:
                 write_json(args.json, {"benchmark": "e2e", "tp": world, "ep": args.ep, "preset": args.preset,
+                                       "attention": args.attention,
+                                       "sparse_layers": list(config.sparse_attention_layers),
                                        "moe_layers": args.moe_layers, "fp8": not args.bf16, "context": args.context,
                                        "repeats": args.repeats, "variants": list(args.variants), "rows": rows,
+                                       "floors": floors,
                                        "compiles": compile_info})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if rank == 0:
         _tables(rows, args.variants)
     # leaving the group (and, on GPUs, the process without teardown): tools/launch.py
+
+
+def _measure_floors(device) -> dict:
+    """The copy bandwidth and plain GEMM rates of this card, measured now."""
+    from minimax_backend.tools.bench_common import copy_bandwidth_gbs, gemm_tflops
+
+    return {"copy_gbs": copy_bandwidth_gbs(device), "bf16_tflops": gemm_tflops(device, fp8=False),
+            "fp8_tflops": gemm_tflops(device, fp8=True)}
+
+
+def _floor_columns(row, work, config, world, args, floors) -> None:
+    from minimax_backend.tools.roofline import decode_bytes, prefill_flops
+
+    if "minimax_ms" not in row:
+        return
+    if work["kind"] == "decode":
+        floor_ms = decode_bytes(config, work["batch"], args.context, world, args.ep, not args.bf16) \
+            / floors["copy_gbs"] / 1e6
+        row["floor_ms"] = floor_ms
+        row["minimax_over_floor"] = row["minimax_ms"] / floor_ms
+    else:
+        tflops = prefill_flops(config, work["tokens"], world) / row["minimax_ms"] / 1e9
+        row["minimax_tflops"] = tflops
+        row["minimax_frac_of_gemm"] = tflops / floors["bf16_tflops" if args.bf16 else "fp8_tflops"]
 
 
 def _tables(rows, variants) -> None:
@@ -182,7 +247,8 @@ def _tables(rows, variants) -> None:
         key = "tokens" if kind == "prefill" else "batch"
         print_cols = [key] + [f"{v}_ms" for v in variants]
         print_table(part, print_cols, title=f"\n{kind}: median ms")
-        ratio_cols = [key] + [c for c in part[0] if c.startswith("minimax_x_vs_") or c == "x_vs_eager_minimax"]
+        ratio_cols = [key] + [c for c in part[0] if c.startswith("minimax_x_vs_") or c == "x_vs_eager_minimax"
+                              or c in ("floor_ms", "minimax_over_floor", "minimax_tflops", "minimax_frac_of_gemm")]
         print_table(part, ratio_cols, title=f"{kind}: speed-up of minimax (other / minimax)")
         err_cols = [key] + [c for c in part[0] if c.endswith("_rel_err") or c.endswith("_argmax")]
         print_table(part, err_cols, title=f"{kind}: logits vs eager")
@@ -190,14 +256,16 @@ def _tables(rows, variants) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
     p.add_argument("--moe-layers", type=int, default=2)
     p.add_argument("--prefill", type=int, nargs="*", default=[1024, 4096, 8192])
     p.add_argument("--decode-batch", type=int, nargs="*", default=[1, 4, 16, 64])
     p.add_argument("--context", type=int, default=8192, help="KV-cache length before the decode step")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
     p.add_argument("--bf16", action="store_true", help="BF16 weights instead of FP8")
+    p.add_argument("--attention", choices=["msa", "dense"], default="msa",
+                   help="msa: M3's sparse layers as the config says; dense: every layer dense (the pre-MSA model)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--preset", default="m3-slice", help="model shape (tiny-m3 for a CPU smoke run)")
