@@ -187,7 +187,7 @@ def _msa_select_cuda(index_q, index_k, positions, block_size, topk, local_blocks
     _check_select(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks)
     scores = msa_triton.block_scores(index_q, index_k, positions, block_size, local_blocks, init_blocks,
                                      num_key_blocks(index_k.shape[1], block_size))
-    return top_blocks(scores, topk)
+    return msa_triton.top_blocks(scores, topk)
 
 
 @msa_attention.register_kernel("cuda")

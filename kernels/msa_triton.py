@@ -8,7 +8,9 @@
                    arithmetic, so only blocks wholly in the past are scored (and
                    need no causal mask). Decode has one token per sequence: the
                    key blocks are split over many programs instead.
-                   The top-k of the scores is torch.topk (kernels/msa.py: top_blocks).
+    top_blocks     the top-k of each row of block scores: k rounds of argmax over the
+                   row held in registers, one program per row (one launch, where
+                   torch.topk + masking + a cast took several).
     attention      block-sparse attention. A program takes TOK consecutive tokens of
                    one sequence and one index head: its rows are the TOK x G query
                    heads that share the selection (G = Hq / Hi) and one KV head. It
@@ -44,7 +46,7 @@ except ImportError:  # pragma: no cover
     triton = tl = None
     HAVE_TRITON = False
 
-__all__ = ["HAVE_TRITON", "supported", "block_scores", "sparse_attention", "attention_plan"]
+__all__ = ["HAVE_TRITON", "supported", "block_scores", "top_blocks", "sparse_attention", "attention_plan"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -92,7 +94,7 @@ if HAVE_TRITON:
                 forced = ((blk <= own) & (blk > own - LOCAL)) | ((blk < INIT) & (blk <= own))
                 score = tl.where(blk > own, float("-inf"), float("inf"))
                 if blk <= last_scored:
-                    kt = tl.load(k_ptr + b * stride_kb + (blk * BS + keys)[None, :] * stride_kl + dims[:, None])
+                    kt = tl.load(k_ptr + b.to(tl.int64) * stride_kb + (blk * BS + keys)[None, :] * stride_kl + dims[:, None])
                     if UPCAST:
                         kt = kt.to(tl.float32)
                     if IEEE:
@@ -150,8 +152,8 @@ if HAVE_TRITON:
         l_i = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
         keys = tl.arange(0, BS)
-        k_base = k_ptr + b * stride_kb + kvh * stride_kh
-        v_base = v_ptr + b * stride_vb + kvh * stride_vh
+        k_base = k_ptr + b.to(tl.int64) * stride_kb + kvh * stride_kh  # caches pass 2^31 elements
+        v_base = v_ptr + b.to(tl.int64) * stride_vb + kvh * stride_vh
         blk = tl.min(tl.min(ids, axis=1), axis=0)
         while blk < BIG:
             chosen = tl.sum((ids == blk).to(tl.int32), axis=1) > 0  # [TOK]: which tokens selected blk
@@ -191,6 +193,19 @@ if HAVE_TRITON:
             tl.store(o_rows, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None], mask=row_ok[:, None])
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
             tl.store(lse_ptr + (token * HQ + qh) * SPLIT + part, lse, mask=row_ok)
+
+    @triton.jit
+    def _top_blocks_kernel(scores_ptr, out_ptr, n_blocks, K_OUT: tl.constexpr, NB: tl.constexpr):
+        """One row of block scores -> its top K_OUT block ids, best first, -1 for -inf (what
+        kernels/msa.py's top_blocks does): K_OUT rounds of argmax over the row in registers."""
+        row = tl.program_id(0).to(tl.int64)
+        blk = tl.arange(0, NB)
+        s = tl.load(scores_ptr + row * n_blocks + blk, mask=blk < n_blocks, other=float("-inf"))
+        for i in range(K_OUT):
+            best = tl.max(s, axis=0)
+            idx = tl.min(tl.where(s == best, blk, NB), axis=0)  # the first of equal scores
+            tl.store(out_ptr + row * K_OUT + i, tl.where(best == float("-inf"), -1, idx))
+            s = tl.where(blk == idx, float("-inf"), s)
 
     @triton.jit
     def _merge_kernel(part_ptr, lse_ptr, o_ptr, stride_ot, stride_oh,
@@ -240,6 +255,17 @@ def block_scores(index_q: torch.Tensor, index_k: torch.Tensor, positions: torch.
         num_warps=4,
     )
     return out
+
+
+def top_blocks(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """int32 [..., K] of block scores [..., n_blocks], as kernels/msa.py's top_blocks."""
+    n_blocks = scores.shape[-1]
+    k = min(topk, n_blocks)
+    rows = scores.reshape(-1, n_blocks)
+    out = torch.empty(rows.shape[0], k, dtype=torch.int32, device=scores.device)
+    _top_blocks_kernel[(rows.shape[0],)](rows, out, n_blocks, K_OUT=k, NB=triton.next_power_of_2(n_blocks),
+                                         num_warps=4 if n_blocks > 256 else 1)
+    return out.view(*scores.shape[:-1], k)
 
 
 def attention_plan(tokens_per_seq: int, batch: int, index_heads: int, group: int, topk: int,

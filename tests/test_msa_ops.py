@@ -190,8 +190,11 @@ def test_block_scores_kernel(shape, dtype):
     assert torch.equal(got == math.inf, ref == math.inf) and torch.equal(got == -math.inf, ref == -math.inf)
     finite = torch.isfinite(ref)
     torch.testing.assert_close(got[finite], ref[finite], rtol=1e-5, atol=1e-5)
-    sel_ref, sel_got = msa.top_blocks(ref, topk), msa.top_blocks(got, topk)
+    sel_ref, sel_got = msa.top_blocks(ref, topk), msa_triton.top_blocks(got, topk)
+    assert sel_got.dtype == torch.int32 and sel_got.shape == sel_ref.shape
     assert [sorted(r) for r in sel_ref.flatten(0, 1).tolist()] == [sorted(r) for r in sel_got.flatten(0, 1).tolist()]
+    valid = sel_got >= 0  # left-packed, best first
+    assert torch.equal(valid, valid.sort(-1, descending=True).values)
 
 
 # Each shape with the plan the op picks, in both dtypes; the forced plans (tokens per

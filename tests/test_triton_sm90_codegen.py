@@ -206,6 +206,8 @@ def test_msa_block_scores_kernel_uses_the_tensor_cores():
                                ["q_ptr", "k_ptr", "pos_ptr", "out_ptr", "stride_kb", "stride_kl"], num_warps=4)
     assert "wgmma" in ptx or "mma.sync" in ptx
     assert byte_loads(ptx) == 0 and shared <= H200_SHARED_BYTES
+    compile_sm90(mt._top_blocks_kernel, {"scores_ptr": "*fp32", "out_ptr": "*i32", "n_blocks": "i32"},
+                 dict(K_OUT=16, NB=1024), ["scores_ptr", "out_ptr"], num_warps=4)  # 128k keys
 
 
 @pytest.mark.parametrize("tok, split", [(4, 1), (1, 8)])

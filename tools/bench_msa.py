@@ -63,16 +63,31 @@ def _time(fn, device, calls: int) -> float:
     return bc.median_ms(fn, warmup=1, repeats=3)
 
 
+def _index_inputs(batch, seq, slots, pos, keys: str, g, device):
+    """Index queries and keys. random: every key block equally likely for every query (no
+    overlap between neighbours' selections: the worst case for tiles of several tokens).
+    coherent: keys drift slowly with position and each query resembles the keys around
+    it, so neighbouring queries pick mostly the same blocks (as in a trained model)."""
+    bf = dict(device=device, dtype=torch.bfloat16)
+    if keys == "random":
+        return (torch.randn(batch * seq, HI, ID, generator=g, **bf), torch.randn(batch, slots, ID, generator=g, **bf))
+    walk = torch.randn(batch, slots, ID, generator=g, device=device).mul_(0.05).cumsum(1)
+    walk += torch.randn(batch, 1, ID, generator=g, device=device)
+    ik = (walk + 0.3 * torch.randn(batch, slots, ID, generator=g, device=device)).to(torch.bfloat16)
+    at = walk[torch.arange(batch, device=device)[:, None], pos]  # [B, S, ID]
+    iq = at[:, :, None] + 0.3 * torch.randn(batch, seq, HI, ID, generator=g, device=device)
+    return iq.reshape(batch * seq, HI, ID).to(torch.bfloat16), ik
+
+
 def _shape(device, batch: int, seq: int, slots: int, pos: torch.Tensor, gemm_tflops: float, copy_gbs: float,
-           label: str, seed: int) -> dict:
+           label: str, seed: int, keys: str = "random", toks=()) -> dict:
     g = torch.Generator(device=device).manual_seed(seed)
     bf = dict(device=device, dtype=torch.bfloat16)
+    pos = pos.to(device)
     q = torch.randn(batch * seq, HQ, D, generator=g, **bf)
     k = torch.randn(batch, HKV, slots, D, generator=g, **bf)
     v = torch.randn(batch, HKV, slots, D, generator=g, **bf)
-    iq = torch.randn(batch * seq, HI, ID, generator=g, **bf)
-    ik = torch.randn(batch, slots, ID, generator=g, **bf)
-    pos = pos.to(device)
+    iq, ik = _index_inputs(batch, seq, slots, pos, keys, g, device)
     scale = D ** -0.5
     select = lambda: torch.ops.minimax.msa_select(iq, ik, pos, BLOCK, TOPK, 1, 0)  # noqa: E731
     blocks = select()
@@ -84,12 +99,18 @@ def _shape(device, batch: int, seq: int, slots: int, pos: torch.Tensor, gemm_tfl
     qd = q.view(batch, seq, HQ, D).transpose(1, 2)
     dense = lambda: _dense(qd, k, v, causal=seq > 1)  # noqa: E731
     calls = 1 if batch * seq >= 4096 else 10
-    row = {"shape": label, "batch": batch, "tokens": seq, "keys": slots}
+    row = {"shape": label, "batch": batch, "tokens": seq, "keys": slots, "index_keys": keys}
     row["dense_ms"] = _time(dense, device, calls)
     row["select_ms"] = _time(select, device, calls)
     row["attention_ms"] = _time(attend, device, calls)
     row["sparse_ms"] = _time(sparse, device, calls)
     row["speedup"] = row["dense_ms"] / row["sparse_ms"]
+    if seq > 1 and device.type == "cuda":
+        from minimax_backend.kernels import msa_triton
+
+        for tok in toks:  # tokens per attention program (the default plan picks one)
+            fn = lambda tok=tok: msa_triton.sparse_attention(q, k, v, blocks, pos, BLOCK, scale, tok=tok)  # noqa: E731
+            row[f"attention_ms_tok{tok}"] = _time(fn, device, calls)
     row["indexer_share"] = row["select_ms"] / (row["select_ms"] + row["attention_ms"])
     attn_flops = 4.0 * (HQ // HI) * D * _attended_keys(blocks, pos)
     row["attention_tflops"] = attn_flops / row["attention_ms"] / 1e9
@@ -111,6 +132,9 @@ def main(argv=None) -> None:
     p.add_argument("--prefill", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 65536])
     p.add_argument("--decode-batch", type=int, nargs="*", default=[1, 16, 64])
     p.add_argument("--context", type=int, nargs="*", default=[8192, 32768, 131072])
+    p.add_argument("--keys", nargs="+", choices=["random", "coherent"], default=["random", "coherent"],
+                   help="index keys: random (no overlap between neighbours' blocks) or coherent (trained-like)")
+    p.add_argument("--tok", type=int, nargs="*", default=[1, 2, 4, 8], help="prefill: also time these tiles")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script)")
     p.add_argument("--json")
@@ -126,16 +150,22 @@ def main(argv=None) -> None:
     print(f"plain BF16 GEMM {gemm:.0f} TFLOP/s, device copy {copy:.0f} GB/s", flush=True)
     rows = []
     with torch.no_grad():
-        for s in args.prefill:
-            rows.append(_shape(device, 1, s, s, torch.arange(s)[None], gemm, copy, f"prefill {s}", seed=s))
-            print(rows[-1], flush=True)
-        for c in args.context:
-            for b in args.decode_batch:
-                pos = torch.full((b, 1), c - 1)
-                rows.append(_shape(device, b, 1, c, pos, gemm, copy, f"decode b{b} ctx{c}", seed=b + c))
+        for keys in args.keys:
+            for s in args.prefill:
+                rows.append(_shape(device, 1, s, s, torch.arange(s)[None], gemm, copy, f"prefill {s} {keys}",
+                                   seed=s, keys=keys, toks=args.tok))
                 print(rows[-1], flush=True)
+            for c in args.context:
+                for b in args.decode_batch:
+                    pos = torch.full((b, 1), c - 1)
+                    rows.append(_shape(device, b, 1, c, pos, gemm, copy, f"decode b{b} ctx{c} {keys}",
+                                       seed=b + c, keys=keys))
+                    print(rows[-1], flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
     cols = ["shape", "dense_ms", "sparse_ms", "speedup", "select_ms", "attention_ms", "indexer_share",
             "attention_tflops", "frac_of_gemm", "sparse_gbs", "frac_of_copy", "check_rel_err"]
+    cols += [f"attention_ms_tok{t}" for t in args.tok]
     table = bc.print_table(rows, cols, title="MSA layer vs dense flash attention (ms)")
     if args.json:
         bc.write_json(args.json, {"benchmark": "msa", "gemm_tflops": gemm, "copy_gbs": copy, "rows": rows,
