@@ -128,11 +128,7 @@ def test_m2_matches_transformers():
     _compare(hf, ours, cfg.vocab_size)
 
 
-def test_m3_matches_transformers():
-    mod = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
-    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
-
-    cfg = tiny_m3_config(num_mtp_modules=0)
+def _hf_m3(cfg, mod, MiniMaxM3VLTextConfig):
     hf_cfg = MiniMaxM3VLTextConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         dense_intermediate_size=cfg.dense_intermediate_size, shared_intermediate_size=cfg.shared_intermediate_size,
@@ -142,6 +138,7 @@ def test_m3_matches_transformers():
                          "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim},
         num_local_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok,
         routed_scaling_factor=cfg.routed_scaling_factor, rms_norm_eps=cfg.rms_norm_eps,
+        swiglu_limit=cfg.swiglu_limit,
         mlp_layer_types=["sparse" if t == "moe" else "dense" for t in cfg.mlp_layer_types],
         layer_types=["minimax_m3_sparse" if i in cfg.sparse_attention_layers else "full_attention"
                      for i in range(cfg.num_hidden_layers)],
@@ -151,6 +148,38 @@ def test_m3_matches_transformers():
     hf_cfg._attn_implementation = "eager"
     hf = mod.MiniMaxM3VLForCausalLM(hf_cfg).float().eval()
     _randomize(hf, gemma=True)
+    return hf
+
+
+def test_m3_matches_transformers():
+    mod = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+
+    cfg = tiny_m3_config(num_mtp_modules=0)
+    hf = _hf_m3(cfg, mod, MiniMaxM3VLTextConfig)
     ours = build_model(cfg, ParallelState.single(), torch.float32)
     _load(ours, _to_checkpoint_names(hf.state_dict()))
     _compare(hf, ours, cfg.vocab_size)
+
+
+def test_m3_swiglu_clamp_matches_transformers():
+    """SwiGLU-OAI's clamp at work: at limit 0.5 most gate / up values cross it. Ours matches
+    transformers there, and the same model without the clamp does not."""
+    mod = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+
+    cfg = tiny_m3_config(num_mtp_modules=0, swiglu_limit=0.5)
+    hf = _hf_m3(cfg, mod, MiniMaxM3VLTextConfig)
+    ckpt = _to_checkpoint_names(hf.state_dict())
+    ours = build_model(cfg, ParallelState.single(), torch.float32)
+    _load(ours, ckpt)
+    crossed = []
+    hook = ours.layers[0].mlp.gate_up_proj.register_forward_hook(
+        lambda m, i, o: crossed.append((o.abs() > cfg.swiglu_limit).float().mean().item()))
+    _compare(hf, ours, cfg.vocab_size)
+    hook.remove()
+    assert crossed and crossed[0] > 0.2, crossed
+    unclamped = build_model(cfg.replace(swiglu_limit=1e30), ParallelState.single(), torch.float32)
+    _load(unclamped, ckpt)
+    with pytest.raises(AssertionError):
+        _compare(hf, unclamped, cfg.vocab_size)

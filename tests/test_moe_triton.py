@@ -177,11 +177,17 @@ def _err(got, ref, fp8):
     return ((got - ref).abs().max() / ref.abs().max()).item()
 
 
+def tiny_m3_clamping():
+    """tiny-m3 with SwiGLU-OAI's limit at 0.75: the gate and up values of unit-scale inputs
+    cross it often, so a kernel that clamps wrongly (or not at all) fails the comparison."""
+    return tiny_m3_config(swiglu_limit=0.75)
+
+
 TOL = {"f32": 1e-5, "bf16": 1e-2, "fp8": 3e-2}
 CASES = {
-    "m3_f32": (tiny_m3_config, torch.float32, False, "f32"),
-    "m3_bf16": (tiny_m3_config, torch.bfloat16, False, "bf16"),
-    "m3_fp8": (tiny_m3_config, torch.bfloat16, True, "fp8"),
+    "m3_f32": (tiny_m3_clamping, torch.float32, False, "f32"),
+    "m3_bf16": (tiny_m3_clamping, torch.bfloat16, False, "bf16"),
+    "m3_fp8": (tiny_m3_clamping, torch.bfloat16, True, "fp8"),
     "m2_bf16": (tiny_m2_config, torch.bfloat16, False, "bf16"),
 }
 
@@ -197,7 +203,12 @@ def test_grouped_experts_match_reference(interp, case):
     assert interp.supported(x, w)
     got = interp.triton_experts(x, ids, tw, w)
     assert got.dtype == torch.float32 and got.shape == x.shape
-    assert _err(got, K.local_experts_reference(x, ids, tw, w), fp8) <= TOL[tol]
+    ref = K.local_experts_reference(x, ids, tw, w)
+    assert _err(got, ref, fp8) <= TOL[tol]
+    if case.startswith("m3"):  # the clamp is exercised: without it the reference moves far past TOL
+        unclamped = K.MoEWeights(*args)
+        unclamped.limit = float("inf")
+        assert _err(K.local_experts_reference(x, ids, tw, unclamped), ref, fp8) > 10 * TOL[tol]
     if case not in ("m3_bf16", "m3_fp8"):
         return
     # this rank's half of the experts (EP 2, rank 1): other experts' pairs contribute nothing

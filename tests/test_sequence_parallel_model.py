@@ -58,22 +58,33 @@ def fake_tp2():
     dist.destroy_process_group()
 
 
-def _compiled_report(tokens: int, **overrides):
+def _compiled_report(tokens: int, dump_dir=None, **overrides):
     from minimax_backend.graph_passes.backend import last_compile_report
 
     torch._dynamo.reset()
     model = _build(ep=2, **overrides)
     # Only this pass: the later ones fold the collectives it makes into fused ops.
-    compiled = _compile(model, tp=2, ep=2, fuse_norm_quant="off", gemm_reduce_scatter="off", moe_lower="off")
+    compiled = _compile(model, tp=2, ep=2, fuse_norm_quant="off", gemm_reduce_scatter="off", moe_lower="off",
+                        dump_dir=dump_dir and str(dump_dir))
     with torch.no_grad():
         compiled(torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens)[None])
     report = last_compile_report()
     return report, next(p for p in report["passes"] if p["name"] == "sequence_parallel")
 
 
-def test_op_counts_on_tiny_m3(fake_tp2):
+def _graph_inputs(dump_dir) -> int:
+    """The captured graph's inputs, read from the dump's first stage."""
+    import re
+
+    src = next(dump_dir.rglob("00_captured.py")).read_text()
+    start = src.index("def forward(self,")
+    header = src[start:src.index("):", start)]
+    return len(re.findall(r"arg\d+_\d+:", header))
+
+
+def test_op_counts_on_tiny_m3(fake_tp2, tmp_path):
     # tiny-m3: 1 dense layer + 2 MoE layers.
-    report, sp = _compiled_report(tokens=8)
+    report, sp = _compiled_report(tokens=8, dump_dir=tmp_path)
     before, after = report["ops_before"], report["ops_after"]
     layers = 3
     assert before[AR] == 1 + 2 * layers  # embedding + (o_proj, MLP or MoE) per layer
@@ -85,7 +96,13 @@ def test_op_counts_on_tiny_m3(fake_tp2):
     assert sp["matches"] == 7
     assert sp["breakdown"] == {"attention": 3, "dense_mlp": 1, "embedding": 1, "moe": 2, "gathers": 6, "end gather": 1}
     assert "aten.constant_pad_nd" not in after  # 8 tokens divide by 2
-    assert any("MTP" in d for d in sp["details"])  # the record says what it left alone
+    # The MTP block is left alone because it is not in this graph: the graph's inputs are the
+    # two token tensors and the main model's tensors, none of the MTP module's.
+    model = _build(ep=2)
+    main = {id(t) for n, t in [*model.named_parameters(), *model.named_buffers()] if not n.startswith("mtp.")}
+    assert len(model.mtp) == 1 and any(True for _ in model.mtp.parameters())
+    assert _graph_inputs(tmp_path) == 2 + len(main)
+    assert any("MTP" in d for d in sp["details"])  # and the record says so
 
 
 def test_aux_hidden_states_join_the_final_gather(fake_tp2):

@@ -1,6 +1,6 @@
 """`minimax-compile`: make checkpoints, run eager vs compiled, dump graphs.
 
-    minimax-compile run                      # tiny built-in model, TP 2 on CPU
+    minimax-compile run                      # tiny built-in FP8 model, TP 2 / EP 2 on CPU, every pass
     minimax-compile run --tp 2 --ep 2 --json report.json
     minimax-compile make-checkpoint --config tiny-m3 --out /tmp/ckpt [--fp8]
     minimax-compile dump --dump /tmp/dump    # compile only, write the graph dump
@@ -17,7 +17,10 @@ import shutil
 import sys
 from pathlib import Path
 
-DEFAULT_PRESET = "tiny-m3"
+DEFAULT_PRESET = "tiny-m3-fp8"
+# `run` without --options: sequence parallelism forced on, so the 37-token demo shows every
+# rewrite (its auto rule keeps it off below sequence_parallel_min_tokens = 1024 tokens).
+DEMO_OPTIONS = {"sequence_parallel": "on"}
 
 
 def cache_dir() -> Path:
@@ -80,7 +83,7 @@ def cmd_make_checkpoint(a) -> None:
     from minimax_backend.model.checkpoint import save_random_checkpoint
 
     config = load_config(a.config)
-    save_random_checkpoint(config, Path(a.out), seed=a.seed, fp8=a.fp8)
+    save_random_checkpoint(config, Path(a.out), seed=a.seed, fp8=a.fp8 or config.is_fp8)
     print(f"wrote a random {config.model_type} checkpoint ({'fp8' if a.fp8 else 'bf16'}) to {a.out}")
 
 
@@ -88,6 +91,12 @@ def _run_args(a, compile_only: bool):
     from minimax_backend.tools.run_job import RunArgs
 
     options = _options(a.options)  # a typo fails before any work
+    if a.options is None and not compile_only:
+        options = dict(DEMO_OPTIONS)
+        print(f"[minimax] no --options: using {json.dumps(DEMO_OPTIONS)} so that every pass has work at "
+              f"{a.tokens} tokens", flush=True)
+    if a.ep is None:
+        a.ep = a.tp  # expert parallelism over every rank, as the fused MoE is built for
     checkpoint = Path(a.checkpoint) if a.checkpoint else default_checkpoint()
     if not (checkpoint / "config.json").is_file():
         raise SystemExit(f"--checkpoint {checkpoint}: no config.json there")
@@ -99,7 +108,7 @@ def _run_args(a, compile_only: bool):
     return RunArgs(
         checkpoint=str(checkpoint), tp=a.tp, ep=a.ep, tokens=a.tokens, batch=a.batch,
         dtype=a.dtype, decode_steps=0 if compile_only else a.decode_steps,
-        options=options, dump=a.dump, save_logits=getattr(a, "save_logits", None),
+        options=options, dump=a.dump or ("minimax_dumps" if not compile_only else None), save_logits=getattr(a, "save_logits", None),
         json_path=getattr(a, "json", None), device=a.device, seed=a.seed,
         repeats=getattr(a, "repeats", 1), compile_only=compile_only,
     )
@@ -139,14 +148,15 @@ def cmd_summarize(a) -> None:
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", help="HF-layout safetensors directory (default: tiny built-in preset)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, divides --tp (default 1)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel ranks, divides --tp (default: --tp)")
     p.add_argument("--tokens", type=int, default=37, help="prompt tokens per sequence (default 37)")
     p.add_argument("--batch", type=int, default=1, help="sequences (default 1)")
     p.add_argument("--dtype", choices=sorted(__import__("minimax_backend.tools.run_job", fromlist=["DTYPES"]).DTYPES),
-                   default="bfloat16")
+                   default="float32", help="activations (default float32: the comparison with eager then shows "
+                   "the rewrites, not BF16 rounding; FP8 weights stay FP8)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--options", help="backend options as a JSON object")
-    p.add_argument("--dump", help="write the graph dump of every stage here")
+    p.add_argument("--dump", help="write the graph dump of every stage here (run: default ./minimax_dumps)")
     p.add_argument("--seed", type=int, default=0)
 
 

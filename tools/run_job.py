@@ -76,14 +76,20 @@ def _logits_of(output):
 
 
 def compare_logits(eager: torch.Tensor, compiled: torch.Tensor) -> dict[str, float]:
-    """Max abs error, error relative to the largest eager logit, argmax agreement."""
+    """Max abs error, error relative to the largest eager logit, argmax agreement, and the
+    per-token error (each token's max |difference| over the largest logit) at the median and
+    the 90th percentile: in BF16 / FP8 a few tokens whose top-k routing sits on a near-tie pick
+    another expert in any two implementations, and one such token sets the maximum."""
     e, c = eager.float(), compiled.float()
     diff = (e - c).abs()
     scale = e.abs().max().clamp_min(1e-12)
     agree = (e.argmax(-1) == c.argmax(-1)).float().mean()
+    per_token = diff.reshape(-1, diff.shape[-1]).amax(-1) / scale
     return {
         "max_abs_err": diff.max().item(),
         "max_rel_err": (diff.max() / scale).item(),
+        "median_token_rel_err": per_token.median().item(),
+        "p90_token_rel_err": per_token.quantile(0.9).item(),
         "argmax_agreement": agree.item(),
         "finite": bool(torch.isfinite(c).all().item()),
     }
@@ -210,6 +216,7 @@ def run_job(rank: int, world_size: int, args: RunArgs) -> None:
         "decode_numerics": decode_numerics,
         "timings_s": timings,
         "dump_dir": report.get("dump_dir"),
+        "dump_index": report.get("dump_index"),
         "cudagraphs": _cudagraph_summary(compile_reports()),
         "torch": torch.__version__,
     }
@@ -268,13 +275,14 @@ def print_summary(result: dict[str, Any]) -> None:
         print("ops (captured -> final):")
         for k in interesting:
             print(f"  {k:<40} {before.get(k, 0):>4} -> {after.get(k, 0):>4}")
-    n = result["numerics"]
-    print(f"prefill: max abs err {n['max_abs_err']:.3g}, rel {n['max_rel_err']:.3g}, "
-          f"argmax agreement {100 * n['argmax_agreement']:.1f}%")
-    if result.get("decode_numerics"):
-        d = result["decode_numerics"]
-        print(f"decode:  max abs err {d['max_abs_err']:.3g}, rel {d['max_rel_err']:.3g}, "
-              f"argmax agreement {100 * d['argmax_agreement']:.1f}%")
+    for label, n in (("prefill", result["numerics"]), ("decode", result.get("decode_numerics"))):
+        if n:
+            print(f"{label + ':':<8} compiled vs eager, per token (of the largest logit): median "
+                  f"{100 * n['median_token_rel_err']:.2f}%, 90th pct {100 * n['p90_token_rel_err']:.2f}%, "
+                  f"max {100 * n['max_rel_err']:.2f}%; argmax agreement {100 * n['argmax_agreement']:.1f}%")
+    if result.get("dtype") != "float32":
+        print("          (BF16 / FP8: a token whose expert choice is a near-tie can flip; --dtype float32 "
+              "compares the rewrites without rounding noise)")
     cg = result.get("cudagraphs") or {}
     if cg.get("enabled"):
         print(f"cuda graphs: captured at {cg['captured_tokens']} tokens, shared pool {cg['pool_bytes'] / 2**20:.1f} MiB"
@@ -283,3 +291,5 @@ def print_summary(result: dict[str, Any]) -> None:
         print(f"cuda graphs: off ({cg.get('skipped')})")
     t = result["timings_s"]
     print("timings (s, medians): " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()))
+    if result.get("dump_index"):
+        print(f"graph dump of every stage: {result['dump_index']} (open it in a browser)")
