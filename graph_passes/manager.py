@@ -73,27 +73,16 @@ def _load_builtin_passes() -> None:
                 raise
 
 
-class _NullDumper:
-    """Stands in for tools.graph_dump.GraphDumper until it exists."""
+def make_dumper(out_dir: str | None = None, title: str = ""):
+    """The graph-dump writer of one compile (graph_passes/graph_dump.py);
+    with ``out_dir=None`` it writes nothing and keeps each stage's op counts."""
+    from .graph_dump import GraphDumper  # networkx (the diff) loads at the first compile, not on import
 
-    def __init__(self, out_dir=None, title=""):
-        self.out_dir, self.title, self.stages = out_dir, title, []
-
-    def record(self, stage, gm, note=""):
-        from .backend import count_ops
-
-        self.stages.append((stage, count_ops(gm)))
-
-    def finish(self):
-        return None
-
-
-def make_dumper(out_dir: str | None, title: str):
-    try:
-        from minimax_backend.tools.graph_dump import GraphDumper
-    except ImportError:
-        return _NullDumper(out_dir, title)
     return GraphDumper(out_dir, title)
+
+
+# PassManager.run's dumper when it is given none: an in-memory GraphDumper.
+_NullDumper = make_dumper
 
 
 class PassManager:

@@ -1,4 +1,4 @@
-"""The one-page HTML view of a graph dump (used by graph_dump.GraphDumper).
+"""The one-page HTML view of a graph dump (written by graph_dump.GraphDumper.finish).
 
 Self-contained: inline CSS and JS, no network. The op-count table is plain
 HTML (readable without JS); the stage view (diff regions and the highlighted
