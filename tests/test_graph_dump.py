@@ -1,5 +1,6 @@
-"""Op naming/counting (graph_passes/op_counts.py) and the graph dump tool
-(tools/graph_dump.py): files, diff, HTML, command line, trace artifacts."""
+"""Op naming/counting (graph_passes/op_counts.py) and the graph dump: its writer
+(graph_passes/graph_dump.py, graph_diff.py, graph_dump_html.py): files, diff,
+HTML, trace artifacts; and its command line (tools/graph_dump.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from minimax_backend.graph_passes.graph_dump import GraphDumper
 from minimax_backend.graph_passes.op_counts import count, count_delta, op_counts, op_name
 from minimax_backend.tools import graph_dump
-from minimax_backend.tools.graph_dump import GraphDumper
 
 c10d = torch.ops._c10d_functional
 
