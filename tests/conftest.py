@@ -66,3 +66,18 @@ def tiny_m2_config(**overrides):
     )
     cfg.update(overrides)
     return MiniMaxConfig(**cfg)
+
+
+# ------------------------------------------------------- fake process group
+@pytest.fixture(scope="module")
+def fake_tp2():
+    """A 2-rank `fake` process group in this process (rank 0): collectives trace and compile,
+    nothing moves. Yields the group's name. Module scope: one per test file."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()

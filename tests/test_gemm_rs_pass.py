@@ -29,22 +29,11 @@ K, N = 256, 128
 c10d = torch.ops._c10d_functional
 
 
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
-
-
-def _rs(y, group, tokens, tp=2):
+def _rs(y, fake_tp2, tokens, tp=2):
     pad = -(-tokens // tp) * tp - tokens
     if pad:
         y = torch.constant_pad_nd(y, [0, 0, 0, pad], 0.0)
-    return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", tp, group))
+    return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", tp, fake_tp2))
 
 
 def _run(gm, **options):
@@ -65,8 +54,8 @@ def _weights():
 
 
 @pytest.mark.parametrize("tokens, pad", [(7, 1), (8, 0)])
-def test_bf16_linear_pad_and_reduce_scatter_become_one_op(group, tokens, pad):
-    gm = make_fx(lambda x, w: _rs(F.linear(x, w), group, tokens), tracing_mode="fake")(
+def test_bf16_linear_pad_and_reduce_scatter_become_one_op(fake_tp2, tokens, pad):
+    gm = make_fx(lambda x, w: _rs(F.linear(x, w), fake_tp2, tokens), tracing_mode="fake")(
         torch.randn(tokens, K, dtype=torch.bfloat16), _weights()[0])
     before = op_counts(gm)
     assert before["aten.mm"] == before[RS] == 1 and before.get("aten.constant_pad_nd", 0) == (1 if pad else 0)
@@ -77,13 +66,13 @@ def test_bf16_linear_pad_and_reduce_scatter_become_one_op(group, tokens, pad):
     assert after == {GEMM_RS: 1}
     (node,) = _gemm_rs_nodes(gm)
     x, w, xs, ws, bias, pad_rows, min_tokens, tp, name = node.args
-    assert (x.op, w.op, xs, ws, bias, pad_rows, tp, name) == ("placeholder", "placeholder", None, None, None, pad, 2, group)
+    assert (x.op, w.op, xs, ws, bias, pad_rows, tp, name) == ("placeholder", "placeholder", None, None, None, pad, 2, fake_tp2)
     assert tuple(node.meta["val"].shape) == ((tokens + pad) // 2, N)
     assert node.meta["val"].dtype == torch.bfloat16
 
 
-def test_addmm_bias_is_carried(group):
-    gm = make_fx(lambda x, w, b: _rs(F.linear(x, w, b), group, 7), tracing_mode="fake")(
+def test_addmm_bias_is_carried(fake_tp2):
+    gm = make_fx(lambda x, w, b: _rs(F.linear(x, w, b), fake_tp2, 7), tracing_mode="fake")(
         torch.randn(7, K), torch.randn(N, K), torch.randn(N))
     assert op_counts(gm)["aten.addmm"] == 1
     _, res, _ = _run(gm)
@@ -92,12 +81,12 @@ def test_addmm_bias_is_carried(group):
     assert op_counts(gm) == {GEMM_RS: 1}
 
 
-def test_fp8_quantized_right_before(group):
+def test_fp8_quantized_right_before(fake_tp2):
     _, wq, ws = _weights()
 
     def f(x, wq, ws):
         q, s = torch.ops.minimax.quantize_fp8(x, 128)
-        return _rs(torch.ops.minimax.fp8_block_gemm(q, s, wq, ws, torch.bfloat16), group, 7)
+        return _rs(torch.ops.minimax.fp8_block_gemm(q, s, wq, ws, torch.bfloat16), fake_tp2, 7)
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(7, K, dtype=torch.bfloat16), wq, ws)
     _, res, _ = _run(gm)
@@ -109,11 +98,11 @@ def test_fp8_quantized_right_before(group):
     assert node.meta["val"].dtype == torch.bfloat16 and tuple(node.meta["val"].shape) == (4, N)
 
 
-def test_fp8_input_quantized_upstream(group):
+def test_fp8_input_quantized_upstream(fake_tp2):
     """The FP8 data and scales arrive from elsewhere (a graph input here; a fused
     norm+quant or an FP8 all-gather in the model): same op, reported apart."""
     _, wq, ws = _weights()
-    f = lambda xq, xs, wq, ws: _rs(torch.ops.minimax.fp8_block_gemm(xq, xs, wq, ws, torch.bfloat16), group, 7)  # noqa: E731
+    f = lambda xq, xs, wq, ws: _rs(torch.ops.minimax.fp8_block_gemm(xq, xs, wq, ws, torch.bfloat16), fake_tp2, 7)  # noqa: E731
     xq = torch.randn(7, K).to(torch.float8_e4m3fn)
     gm = make_fx(f, tracing_mode="fake")(xq, torch.ones(7, K // 128), wq, ws)
     _, res, _ = _run(gm)
@@ -123,10 +112,10 @@ def test_fp8_input_quantized_upstream(group):
     assert op_counts(gm) == {GEMM_RS: 1}
 
 
-def test_matmul_used_elsewhere_is_left_alone(group):
+def test_matmul_used_elsewhere_is_left_alone(fake_tp2):
     def f(x, w):
         y = F.linear(x, w)
-        return _rs(y, group, 7), y.sum()  # the full matmul output is read a second time
+        return _rs(y, fake_tp2, 7), y.sum()  # the full matmul output is read a second time
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(7, K), torch.randn(N, K))
     before = op_counts(gm)
@@ -142,28 +131,28 @@ def test_matmul_used_elsewhere_is_left_alone(group):
         PassManager(BackendConfig(), order=("gemm_reduce_scatter",)).run(gm, PassContext(config=BackendConfig(), tp_size=2))
 
 
-def test_view_that_keeps_the_shape_is_fine_a_reshape_is_not(group):
-    ok = make_fx(lambda x, w: _rs(F.linear(x, w).view(7, N), group, 7), tracing_mode="fake")(
+def test_view_that_keeps_the_shape_is_fine_a_reshape_is_not(fake_tp2):
+    ok = make_fx(lambda x, w: _rs(F.linear(x, w).view(7, N), fake_tp2, 7), tracing_mode="fake")(
         torch.randn(7, K), torch.randn(N, K))
     assert _run(ok)[1].matches == 1 and op_counts(ok) == {GEMM_RS: 1}
 
-    bad = make_fx(lambda x, w: _rs(F.linear(x, w).reshape(14, N // 2), group, 14), tracing_mode="fake")(
+    bad = make_fx(lambda x, w: _rs(F.linear(x, w).reshape(14, N // 2), fake_tp2, 14), tracing_mode="fake")(
         torch.randn(7, K), torch.randn(N, K))
     res = _run(bad)[1]
     assert res.matches == 0 and "reshaped" in " ".join(res.details)
 
 
-def test_sum_of_partials_is_not_fused(group):
+def test_sum_of_partials_is_not_fused(fake_tp2):
     """The MoE's reduce-scatter is fed by routed experts + shared expert: not one matmul."""
-    f = lambda x, w1, w2: _rs(F.linear(x, w1) + F.linear(x, w2), group, 7)  # noqa: E731
+    f = lambda x, w1, w2: _rs(F.linear(x, w1) + F.linear(x, w2), fake_tp2, 7)  # noqa: E731
     gm = make_fx(f, tracing_mode="fake")(torch.randn(7, K), torch.randn(N, K), torch.randn(N, K))
     p, res, ctx = _run(gm)
     assert res.matches == 0 and "sum of partials" in res.details[0]
     assert not p.expects_matches(ctx)  # nothing here was fusable: not a failure
 
 
-def test_no_reduce_scatter_skips_with_a_reason(group):
-    f = lambda x, w: c10d.wait_tensor(c10d.all_reduce(F.linear(x, w), "sum", group))  # noqa: E731
+def test_no_reduce_scatter_skips_with_a_reason(fake_tp2):
+    f = lambda x, w: c10d.wait_tensor(c10d.all_reduce(F.linear(x, w), "sum", fake_tp2))  # noqa: E731
     gm = make_fx(f, tracing_mode="fake")(torch.randn(7, K), torch.randn(N, K))
     p, res, ctx = _run(gm)
     assert res.matches == 0 and "no reduce-scatter" in res.skipped and not p.expects_matches(ctx)
@@ -172,8 +161,8 @@ def test_no_reduce_scatter_skips_with_a_reason(group):
     assert results[0].enabled and results[0].matches == 0  # no PassError
 
 
-def test_threshold_comes_from_the_config(group):
-    gm = make_fx(lambda x, w: _rs(F.linear(x, w), group, 7), tracing_mode="fake")(torch.randn(7, K), torch.randn(N, K))
+def test_threshold_comes_from_the_config(fake_tp2):
+    gm = make_fx(lambda x, w: _rs(F.linear(x, w), fake_tp2, 7), tracing_mode="fake")(torch.randn(7, K), torch.randn(N, K))
     p, res, _ = _run(gm, gemm_rs_min_tokens=77)
     (node,) = _gemm_rs_nodes(gm)
     assert node.args[6] == 77
@@ -195,14 +184,14 @@ def test_switch(options, tp, enabled, reason):
 
 
 # ------------------------------------------------------------ tiny-m3 after SP
-def _tiny_m3_report(group, preset: str):
+def _tiny_m3_report(fake_tp2, preset: str):
     import minimax_backend.graph_passes as gp
-    from minimax_backend.model.config import load_preset
+    from minimax_backend.model.presets import load_preset
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState
 
     config = load_preset(preset)
-    model = build_model(config, ParallelState.create(0, 2, 2, group), dtype=torch.bfloat16)
+    model = build_model(config, ParallelState.create(0, 2, 2, fake_tp2), dtype=torch.bfloat16)
     ids, pos = torch.randint(0, config.vocab_size, (1, 7)), torch.arange(7)[None]
     torch._dynamo.reset()
     # Only the passes this test is about: the others are covered by their own tests.
@@ -226,10 +215,10 @@ def _check_tiny_m3(config, rep, record, kind):
     assert sum("embedding" in d for d in left) == 1 and sum("sum of partials" in d for d in left) == moe
 
 
-def test_tiny_m3_after_sequence_parallelism(group):
-    _check_tiny_m3(*_tiny_m3_report(group, "tiny-m3"), "bf16")
+def test_tiny_m3_after_sequence_parallelism(fake_tp2):
+    _check_tiny_m3(*_tiny_m3_report(fake_tp2, "tiny-m3"), "bf16")
 
 
 @pytest.mark.slow
-def test_tiny_m3_fp8_after_sequence_parallelism(group):
-    _check_tiny_m3(*_tiny_m3_report(group, "tiny-m3-fp8"), "fp8")
+def test_tiny_m3_fp8_after_sequence_parallelism(fake_tp2):
+    _check_tiny_m3(*_tiny_m3_report(fake_tp2, "tiny-m3-fp8"), "fp8")

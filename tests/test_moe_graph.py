@@ -41,15 +41,6 @@ OFF = {"sequence_parallel": "off", "fuse_norm_quant": "off", "gemm_reduce_scatte
 TWO_MOE = dict(num_hidden_layers=2, mlp_layer_types=("moe", "moe"), sparse_attention_layers=(), num_mtp_modules=0)
 
 
-@pytest.fixture(scope="module")
-def fake_tp2():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
 
 
 @contextlib.contextmanager
@@ -239,7 +230,7 @@ def test_tp2_m2_routed_only_uses_all_to_all(fake_tp2):
 def test_full_pipeline_tp2_sequence_parallel(fake_tp2):
     """The `tiny-m3` preset (1 dense + 2 MoE layers) through the default pipeline
     (every pass auto, EP 2): SP on, one mega_moe per MoE layer, nothing of the loop left."""
-    from minimax_backend.model.config import load_preset
+    from minimax_backend.model.presets import load_preset
 
     gm, report, out, _ = _compile(_model(load_preset("tiny-m3"), 2, 2, torch.bfloat16), ep_size=2, strict=True)
     after = report["ops_after"]

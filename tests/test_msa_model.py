@@ -216,15 +216,6 @@ def test_compiled_every_pass_equals_eager_tp2():
             assert r["prefill"] <= RTOL and r["decode"] <= RTOL, r
 
 
-@pytest.fixture()
-def fake_tp2():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
 
 
 def _ops_after(sparse: bool, tokens: int = 40) -> tuple[dict, dict]:

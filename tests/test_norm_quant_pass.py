@@ -111,21 +111,10 @@ def nodes(gm, name):
     return [n for n in gm.graph.nodes if op_name(n) == name]
 
 
-@pytest.fixture(scope="module")
-def fake_group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
-
-
 # ------------------------------------------------------------------ no SP
 @pytest.mark.parametrize("layers", [1, 3])
-def test_no_sp_every_norm_quant_pair_is_fused(fake_group, layers):
-    gm = trace(toy(fake_group, layers), toy_args(8))
+def test_no_sp_every_norm_quant_pair_is_fused(fake_tp2, layers):
+    gm = trace(toy(fake_tp2, layers), toy_args(8))
     before = op_counts(gm)
     assert before[QUANT] == 2 * layers and FUSED not in before
     res = run_pass(gm)
@@ -143,8 +132,8 @@ def test_no_sp_every_norm_quant_pair_is_fused(fake_group, layers):
     assert after["aten.add"] < before["aten.add"]
 
 
-def test_dual_output_router_reads_bf16_experts_read_fp8(fake_group):
-    gm = trace(toy(fake_group, 1), toy_args(8))
+def test_dual_output_router_reads_bf16_experts_read_fp8(fake_tp2):
+    gm = trace(toy(fake_tp2, 1), toy_args(8))
     run_pass(gm)
     fused = nodes(gm, FUSED)
     assert [f.args[6] for f in fused] == [False, True]  # want_bf16_output
@@ -158,8 +147,8 @@ def test_dual_output_router_reads_bf16_experts_read_fp8(fake_group):
     assert {u.target for u in outs[3].users} == {torch.ops.aten.add.Tensor}
 
 
-def test_without_router_the_post_norm_has_no_bf16_output(fake_group):
-    gm = trace(toy(fake_group, 2, router=False), toy_args(8))
+def test_without_router_the_post_norm_has_no_bf16_output(fake_tp2):
+    gm = trace(toy(fake_tp2, 2, router=False), toy_args(8))
     res = run_pass(gm)
     assert res.breakdown["fused"] == 4 and res.breakdown["fused_with_bf16_output"] == 0
     assert all(f.args[6] is False for f in nodes(gm, FUSED))
@@ -210,9 +199,9 @@ def _gathered_from(gm):
 
 
 @pytest.mark.parametrize("tokens", [8, 7])
-def test_sp_keeps_bf16_in_front_of_the_gathers(fake_group, tokens):
+def test_sp_keeps_bf16_in_front_of_the_gathers(fake_tp2, tokens):
     """The source engine's start-up crash: norm -> all_gather -> quantize must NOT be fused."""
-    gm = sp_graph(fake_group, tokens)
+    gm = sp_graph(fake_tp2, tokens)
     before = op_counts(gm)
     assert before[AG] == 2 * 2 + 1 and before[QUANT] == 4
     res = run_pass(gm, tp=2)
@@ -233,17 +222,17 @@ def test_sp_keeps_bf16_in_front_of_the_gathers(fake_group, tokens):
     assert any("kept BF16 in front of" in d for d in res.details)
 
 
-def test_same_model_without_sp_gets_the_fusion(fake_group):
-    gm = trace(toy(fake_group, 2), toy_args(8))
+def test_same_model_without_sp_gets_the_fusion(fake_tp2):
+    gm = trace(toy(fake_tp2, 2), toy_args(8))
     assert run_pass(gm).breakdown["kept_bf16_before_gather"] == 0
     assert op_counts(gm)[FUSED] == 4
 
 
-def test_sp_form_fuses_where_no_gather_intervenes(fake_group):
+def test_sp_form_fuses_where_no_gather_intervenes(fake_tp2):
     """Post-SP form where the MoE-like block consumes the token shard directly
     (as after MegaMoE lowering): that norm is fused on the shard; the attention
     input, which is gathered, stays BF16 in front of its gather."""
-    group = fake_group
+    group = fake_tp2
 
     def fn(x0, wq, sq, wu, su, n1, n2):
         h = c10d.wait_tensor(c10d.reduce_scatter_tensor(x0, "sum", 2, group))  # [T/2, H]
@@ -268,8 +257,8 @@ def test_sp_form_fuses_where_no_gather_intervenes(fake_group):
 
 # ------------------------------------------------------------------ FP8 all-gather
 @pytest.mark.parametrize("tokens", [8, 7])
-def test_fp8_allgather_gathers_data_and_scales(fake_group, tokens):
-    gm = sp_graph(fake_group, tokens)
+def test_fp8_allgather_gathers_data_and_scales(fake_tp2, tokens):
+    gm = sp_graph(fake_tp2, tokens)
     before = op_counts(gm)
     res = run_pass(gm, tp=2, fp8_allgather=True)
     after = op_counts(gm)
@@ -292,15 +281,15 @@ def test_fp8_allgather_gathers_data_and_scales(fake_group, tokens):
         assert len(slices) == 2 * 2 + 3  # q and s of 2 FP8 gathers, 3 BF16 gathers
 
 
-def test_fp8_allgather_without_router_gathers_every_norm_in_fp8(fake_group):
-    gm = sp_graph(fake_group, 8, router=False)
+def test_fp8_allgather_without_router_gathers_every_norm_in_fp8(fake_tp2):
+    gm = sp_graph(fake_tp2, 8, router=False)
     res = run_pass(gm, tp=2, fp8_allgather=True)
     assert res.breakdown["fp8_allgather"] == 4 and res.breakdown["kept_bf16_before_gather"] == 0
     assert QUANT not in op_counts(gm)
 
 
 # ------------------------------------------------------------------ enabling, reporting
-def test_bf16_graph_has_nothing_to_fuse_and_is_no_failure(fake_group):
+def test_bf16_graph_has_nothing_to_fuse_and_is_no_failure(fake_tp2):
     def bf16(h, w, n):
         return rms_norm(h, n) @ w
 
@@ -332,12 +321,12 @@ def test_unrecognized_norm_before_a_quantize_is_a_strict_failure():
         run_pass(gm)
 
 
-def test_auto_rule_and_record_line(fake_group):
+def test_auto_rule_and_record_line(fake_tp2):
     config = BackendConfig()
     assert FuseNormQuantPass(config).decide(PassContext(config=config)) == (True, None)
     off = BackendConfig(fuse_norm_quant="off")
     assert FuseNormQuantPass(off).decide(PassContext(config=off))[0] is False
-    gm = trace(toy(fake_group, 1), toy_args(8))
+    gm = trace(toy(fake_tp2, 1), toy_args(8))
     res = run_pass(gm)
     line = res.summary()
     assert line.startswith("minimax: fuse_norm_quant matched 2 (fused 1, fused_with_bf16_output 1, "

@@ -28,17 +28,6 @@ RS = "_c10d_functional.reduce_scatter_tensor"
 HIDDEN, VOCAB, EXPERTS = 16, 10, 4
 
 
-@pytest.fixture(scope="module")
-def fake_group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
-
-
 def _toy(group: str, layers: int, aux: bool):
     c10d = torch.ops._c10d_functional
 
@@ -91,8 +80,8 @@ def _rewrite(gm):
 
 
 @pytest.mark.parametrize("layers", [1, 3])
-def test_op_counts_per_layer(fake_group, layers):
-    gm = _trace(fake_group, tokens=8, layers=layers)
+def test_op_counts_per_layer(fake_tp2, layers):
+    gm = _trace(fake_tp2, tokens=8, layers=layers)
     before = op_counts(gm)
     assert before.get(AR) == 1 + 2 * layers
     record = _rewrite(gm)
@@ -108,8 +97,8 @@ def test_op_counts_per_layer(fake_group, layers):
     assert "aten.constant_pad_nd" not in after
 
 
-def test_residual_stream_is_sharded_between_collectives(fake_group):
-    gm = _trace(fake_group, tokens=8)
+def test_residual_stream_is_sharded_between_collectives(fake_tp2):
+    gm = _trace(fake_tp2, tokens=8)
     _rewrite(gm)
     for node in gm.graph.nodes:
         if node.target is torch.ops.aten.add.Tensor and node.meta["val"].dim() == 2 and node.meta["val"].shape[1] == HIDDEN:
@@ -119,8 +108,8 @@ def test_residual_stream_is_sharded_between_collectives(fake_group):
     assert [tuple(o.meta["val"].shape) for o in outputs] == [(8, VOCAB), (8, 2, HIDDEN)]
 
 
-def test_final_and_aux_hidden_states_share_one_gather(fake_group):
-    gm = _trace(fake_group, tokens=8, aux=True)
+def test_final_and_aux_hidden_states_share_one_gather(fake_tp2):
+    gm = _trace(fake_tp2, tokens=8, aux=True)
     _rewrite(gm)
     gathers = [n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
     last = gathers[-1]
@@ -128,16 +117,16 @@ def test_final_and_aux_hidden_states_share_one_gather(fake_group):
     assert len(last.args[0].args[0]) == 2  # final normed hidden + stacked aux states
 
 
-def test_without_aux_the_end_gathers_only_final_hidden(fake_group):
-    gm = _trace(fake_group, tokens=8, aux=False)
+def test_without_aux_the_end_gathers_only_final_hidden(fake_tp2):
+    gm = _trace(fake_tp2, tokens=8, aux=False)
     record = _rewrite(gm)
     assert (record.end_gathers, record.end_gathered_tensors) == (1, 1)
     assert "aten.cat" not in op_counts(gm)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 37])
-def test_odd_token_counts_pad_and_slice(fake_group, tokens):
-    gm = _trace(fake_group, tokens=tokens, layers=2)
+def test_odd_token_counts_pad_and_slice(fake_tp2, tokens):
+    gm = _trace(fake_tp2, tokens=tokens, layers=2)
     record = _rewrite(gm)
     after = op_counts(gm)
     padded = -(-tokens // 2) * 2
@@ -150,19 +139,19 @@ def test_odd_token_counts_pad_and_slice(fake_group, tokens):
         assert n.args[3] == tokens and n.meta["val"].shape[0] == tokens
 
 
-def test_router_cast_stays_after_the_gather(fake_group):
+def test_router_cast_stays_after_the_gather(fake_tp2):
     """The MoE input is gathered once in BF16; the router's fp32 copy is made after it."""
-    gm = _trace(fake_group, tokens=8, layers=1)
+    gm = _trace(fake_tp2, tokens=8, layers=1)
     _rewrite(gm)
     gathers = [n for n in gm.graph.nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
     assert all(g.meta["val"].dtype == torch.bfloat16 for g in gathers)
 
 
-def test_unrecognized_graph_is_left_alone(fake_group):
+def test_unrecognized_graph_is_left_alone(fake_tp2):
     c10d = torch.ops._c10d_functional
 
     def vector_sum(x):  # a 1-D all-reduce: not a [tokens, hidden] residual stream
-        return c10d.wait_tensor(c10d.all_reduce(x * 2, "sum", fake_group)) + 1
+        return c10d.wait_tensor(c10d.all_reduce(x * 2, "sum", fake_tp2)) + 1
 
     gm = make_fx(vector_sum, tracing_mode="fake")(torch.randn(8))
     before = op_counts(gm)
@@ -210,8 +199,8 @@ def test_auto_rule_and_overrides(options, tp, ep, tokens, enabled, reason):
 
 
 @pytest.mark.parametrize("tokens", [1, 37, 2048])
-def test_context_reads_the_token_count_and_auto_applies_the_floor(fake_group, tokens):
-    gm = _trace(fake_group, tokens)
+def test_context_reads_the_token_count_and_auto_applies_the_floor(fake_tp2, tokens):
+    gm = _trace(fake_tp2, tokens)
     config = BackendConfig(tp_size=2, ep_size=2)
     ctx = PassContext.from_graph(config, gm)
     assert ctx.num_tokens == tokens

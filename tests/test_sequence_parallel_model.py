@@ -47,15 +47,6 @@ def _compile(model, tp: int, ep: int, codegen: str = "fx", **options):
 
 
 # ---------------------------------------------------------------- op counts
-@pytest.fixture(scope="module")
-def fake_tp2():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    yield
-    dist.destroy_process_group()
 
 
 def _compiled_report(tokens: int, dump_dir=None, **overrides):
