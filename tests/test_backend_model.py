@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import minimax_backend.graph_passes as gp
-from minimax_backend.model.config import load_preset
+from minimax_backend.model.presets import load_preset
 from minimax_backend.model.minimax import build_model, init_random_weights
 
 

@@ -20,7 +20,8 @@ from minimax_backend.model.checkpoint import (
     save_model_as_checkpoint,
     save_random_checkpoint,
 )
-from minimax_backend.model.config import MiniMaxConfig, load_preset
+from minimax_backend.model.config import MiniMaxConfig
+from minimax_backend.model.presets import load_preset
 from minimax_backend.model.weights import LoadPlan, Shard, attach_plan, cols, plan, rows, whole
 
 SEED = 3

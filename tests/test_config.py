@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from minimax_backend.model.config import PRESET_NAMES, ConfigError, MiniMaxConfig, load_preset
+from minimax_backend.model.config import MiniMaxConfig
+from minimax_backend.model.config_error import ConfigError
+from minimax_backend.model.presets import PRESET_NAMES, load_preset
 
 
 def m3_text_dict(**over) -> dict:

@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_m2_config, tiny_m3_config
 
-from minimax_backend.model.config import ConfigError
+from minimax_backend.model.config_error import ConfigError
 from minimax_backend.model.linear import ColumnParallelLinear, Piece, RowParallelLinear, ShardingError
 from minimax_backend.model.minimax import MTPModule, build_model, init_random_weights
 from minimax_backend.model.parallel import ParallelError, ParallelState

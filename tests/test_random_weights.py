@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minimax_backend.model.config import load_preset
+from minimax_backend.model.presets import load_preset
 from minimax_backend.model.linear import ColumnParallelLinear, Piece
 from minimax_backend.model.minimax import build_model, init_random_weights
 from minimax_backend.model.random_weights import fast_random_weights

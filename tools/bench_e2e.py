@@ -107,7 +107,7 @@ def _fill_cache(model, batch: int, context: int, seed: int) -> None:
 
 def job(rank: int, world: int, args) -> None:
     from minimax_backend.graph_passes.backend import compile_reports
-    from minimax_backend.model.config import load_preset
+    from minimax_backend.model.presets import load_preset
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState
     from minimax_backend.model.random_weights import fast_random_weights

@@ -101,7 +101,7 @@ def torch_grouped_path(w_args: tuple, fp8: bool):
 
 # ------------------------------------------------------------------- layer
 def build_block(preset: str, rank: int, world: int, fp8: bool, device: torch.device, seed: int = 0):
-    from minimax_backend.model.config import load_preset
+    from minimax_backend.model.presets import load_preset
     from minimax_backend.model.moe import MoE
     from minimax_backend.model.parallel import ParallelState
     from minimax_backend.model.random_weights import fast_random_weights

@@ -26,7 +26,7 @@ def _variant(model, sp: str, codegen: str, tp: int, ep: int):
 
 def job(rank: int, world: int, args) -> None:
     from minimax_backend.graph_passes.backend import last_compile_report
-    from minimax_backend.model.config import load_preset
+    from minimax_backend.model.presets import load_preset
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState
     from minimax_backend.model.random_weights import fast_random_weights

@@ -30,7 +30,8 @@ def cache_dir() -> Path:
 
 def load_config(spec: str):
     """A preset name or a path to an HF config.json (or a checkpoint directory)."""
-    from minimax_backend.model.config import PRESET_NAMES, MiniMaxConfig, load_preset
+    from minimax_backend.model.config import MiniMaxConfig
+    from minimax_backend.model.presets import PRESET_NAMES, load_preset
 
     path = Path(spec)
     if path.is_dir():
