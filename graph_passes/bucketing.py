@@ -1,12 +1,16 @@
-"""Run a (compiled) model at bucket sizes: pad the tokens, slice the result.
+"""Token-count buckets for CUDA graphs, and running a model at them.
 
-CUDA graphs are captured per token count (graph_passes/cudagraph_capture.py),
-so callers pad every call to one of a few bucket sizes. For our model a pad
-is safe to append at the end of each sequence: the pad tokens take the next
-positions, attention is causal (real tokens never see them), the MoE treats
-tokens independently, and the KV-cache slots they write lie past every real
-position (masked until a real token overwrites them). So the logits of the
-real tokens are unchanged.
+CUDA graphs are captured per token count (cudagraph_capture.py), so callers
+pad every call to one of a few bucket sizes. Under sequence parallelism every
+bucket is rounded up to a multiple of the TP size (``effective_buckets``), so
+a padded input splits evenly over the ranks and the graph needs no padding of
+its own.
+
+For our model a pad is safe to append at the end of each sequence: the pad
+tokens take the next positions, attention is causal (real tokens never see
+them), the MoE treats tokens independently, and the KV-cache slots they write
+lie past every real position (masked until a real token overwrites them). So
+the logits of the real tokens are unchanged.
 
 Padding runs along the sequence dimension; a batch of B sequences pads each
 to S' with B * S' a bucket. When no bucket fits (B does not divide one, or
@@ -20,9 +24,24 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..graph_passes.buckets import effective_buckets
+__all__ = ["BucketedRunner", "effective_buckets", "pad_tokens", "padded_length", "pick_bucket"]
 
-__all__ = ["BucketedRunner", "padded_length", "pad_tokens"]
+
+def effective_buckets(buckets: Sequence[int], multiple: int = 1) -> tuple[int, ...]:
+    """The buckets rounded up to `multiple`, sorted, without repeats."""
+    if multiple < 1:
+        raise ValueError(f"bucket multiple must be >= 1, got {multiple}")
+    return tuple(sorted({-(-b // multiple) * multiple for b in buckets}))
+
+
+def pick_bucket(tokens: int, buckets: Sequence[int], multiple: int = 1) -> int | None:
+    """Smallest effective bucket holding `tokens`; None above the largest (run without a graph)."""
+    if tokens < 1:
+        raise ValueError(f"token count must be >= 1, got {tokens}")
+    for b in effective_buckets(buckets, multiple):
+        if b >= tokens:
+            return b
+    return None
 
 
 def padded_length(batch: int, seq: int, buckets: Sequence[int], multiple: int = 1,

@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .buckets import effective_buckets
+from .bucketing import effective_buckets
 
 log = logging.getLogger("minimax")
 

@@ -12,8 +12,9 @@ import torch
 
 import minimax_backend.graph_passes as gp
 from minimax_backend.graph_passes import cudagraph_capture as cg
-from minimax_backend.graph_passes.buckets import effective_buckets, pick_bucket
-from minimax_backend.model.bucketing import BucketedRunner, pad_tokens, padded_length
+from minimax_backend.graph_passes.bucketing import (
+    BucketedRunner, effective_buckets, pad_tokens, padded_length, pick_bucket,
+)
 from minimax_backend.model.minimax import build_model, init_random_weights
 from conftest import tiny_m3_config
 

@@ -24,7 +24,7 @@ def _raise_recompile_limit():
 def _compare(model, options, device, rel_tol, multiple=1, seed=0):
     """Max error (relative to the largest logit) of captured vs uncaptured over SIZES x 3 replays."""
     import minimax_backend.graph_passes as gp
-    from minimax_backend.model.bucketing import BucketedRunner
+    from minimax_backend.graph_passes.bucketing import BucketedRunner
 
     _raise_recompile_limit()
     torch._dynamo.reset()
@@ -104,7 +104,7 @@ def _captured_vs_eager(model, options, rank, world, tokens=37):
     percent, except the rare token whose top-k routing sits on a near-tie (another expert
     wins): hence the median and the argmax agreement, not the maximum."""
     import minimax_backend.graph_passes as gp
-    from minimax_backend.model.bucketing import BucketedRunner
+    from minimax_backend.graph_passes.bucketing import BucketedRunner
 
     torch._dynamo.reset()
     model.allocate_kv_cache(1, 256)

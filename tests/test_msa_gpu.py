@@ -87,7 +87,7 @@ def test_sparse_model_in_cuda_graphs_prefill_and_decode():
     """Blocks of 16 and the top 4: sparsity bites from 65 tokens on. Captured (buckets 64 and
     128, index-K cache inside the graphs) against the same compiled code run without graphs."""
     import minimax_backend.graph_passes as gp
-    from minimax_backend.model.bucketing import BucketedRunner
+    from minimax_backend.graph_passes.bucketing import BucketedRunner
     from minimax_backend.model.minimax import build_model, init_random_weights
     from minimax_backend.model.parallel import ParallelState
 
