@@ -1,8 +1,29 @@
-"""Custom ops in the ``minimax::`` namespace. Importing this package registers them all."""
+"""Custom ops in the ``minimax::`` namespace. Importing this package registers them all.
 
-from . import fp8  # noqa: F401  (registers minimax::quantize_fp8, minimax::fp8_block_gemm)
-from . import norm_quant  # noqa: F401  (registers minimax::rms_norm_quant_fp8)
-from . import moe  # noqa: F401  (registers minimax::moe, minimax::mega_moe)
-from . import gemm_rs  # noqa: F401  (registers minimax::gemm_rs)
-from . import msa  # noqa: F401  (registers minimax::msa_select, minimax::msa_attention)
-from . import stacked_gemm  # noqa: F401  (registers minimax::stacked_gemm)
+Two kinds of module, imported in this order:
+
+* op modules define each op (``torch.library.custom_op``), its fake (meta)
+  kernel and its plain-torch reference, which is the op's implementation on
+  every device without a kernel of its own;
+* GPU modules import their op module and register the op's CUDA kernel
+  (``op.register_kernel("cuda")``), falling back to the reference where the
+  kernel does not apply (no Triton, an unsupported dtype, ...). They import
+  cleanly without a GPU and without Triton.
+
+Imports only ever go GPU module -> op module, never back.
+"""
+
+# op modules
+from . import fp8  # noqa: F401  (minimax::quantize_fp8, minimax::fp8_block_gemm)
+from . import norm_quant  # noqa: F401  (minimax::rms_norm_quant_fp8)
+from . import moe  # noqa: F401  (minimax::moe, minimax::mega_moe)
+from . import gemm_rs  # noqa: F401  (minimax::gemm_rs)
+from . import msa  # noqa: F401  (minimax::msa_select, minimax::msa_attention)
+from . import stacked_gemm  # noqa: F401  (minimax::stacked_gemm; no kernel of its own: its GEMMs dispatch)
+
+# GPU modules: the ops' CUDA kernels
+from . import fp8_gemm_cuda  # noqa: F401  (fp8_block_gemm)
+from . import norm_quant_triton  # noqa: F401  (rms_norm_quant_fp8, quantize_fp8)
+from . import moe_triton  # noqa: F401  (moe, mega_moe)
+from . import gemm_rs_cuda  # noqa: F401  (gemm_rs)
+from . import msa_triton  # noqa: F401  (msa_select, msa_attention)

@@ -15,8 +15,12 @@ that torch.compile captures them as single graph nodes:
         DeepSeek / HF `weight_scale_inv` layout: w_real = w_fp8 * ws).
 
 The implementations here are plain torch in float32: the numerical reference
-that GPU kernels (later issues) are tested against. They are registered for
-every device type, so they also run on CUDA tensors until a kernel exists.
+that the GPU kernels are tested against, registered for every device type.
+The CUDA kernels are registered by the GPU modules, which import this one
+(never the other way round): fp8_block_gemm's by kernels/fp8_gemm_cuda.py
+(cuBLAS blockwise or Triton), quantize_fp8's by kernels/norm_quant_triton.py
+(the norm + quant kernel without the norm). Importing minimax_backend.kernels
+imports both.
 """
 
 from __future__ import annotations
@@ -143,23 +147,3 @@ def quantize_weight_fp8(w: torch.Tensor, block: int = WEIGHT_BLOCK) -> tuple[tor
     q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = q.view(nb * block, kb * block)[:n, :k].to(FP8_DTYPE)
     return q.contiguous(), scale.float()
-
-
-# ------------------------------------------------------------------ CUDA paths
-# The plain-torch implementations above are the reference and run on any
-# device; on CUDA these faster kernels take over (checked against the
-# reference in tests/test_norm_quant_gpu.py and tests/test_gpu_model.py).
-@fp8_block_gemm.register_kernel("cuda")
-def _fp8_block_gemm_cuda(xq, xs, w, ws, out_dtype):
-    from .fp8_gemm_cuda import fp8_block_gemm_cuda
-
-    return fp8_block_gemm_cuda(xq, xs, w, ws, out_dtype)
-
-
-@quantize_fp8.register_kernel("cuda")
-def _quantize_fp8_cuda(x, group_size=128):
-    from . import norm_quant_triton as t
-
-    if t.HAVE_TRITON and x.dtype in (torch.bfloat16, torch.float16) and x.numel():
-        return t.quantize_fp8_triton(x, group_size)
-    return quantize_fp8_reference(x, group_size)

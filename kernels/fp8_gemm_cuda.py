@@ -21,12 +21,9 @@ Two backends, chosen per call:
 The first ``_scaled_mm`` failure for a shape class is remembered so later calls
 (and CUDA graph capture) never go through an exception.
 
-The lead hooks this into the op (kernels/fp8.py) with:
-
-    @fp8_block_gemm.register_kernel("cuda")
-    def _fp8_block_gemm_cuda(xq, xs, w, ws, out_dtype):
-        from .fp8_gemm_cuda import fp8_block_gemm_cuda
-        return fp8_block_gemm_cuda(xq, xs, w, ws, out_dtype)
+This module registers ``fp8_block_gemm_cuda`` as the CUDA kernel of the op
+(defined with its reference in kernels/fp8.py, which never imports this one).
+Without Triton, shapes cuBLAS refuses run the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .env import env_choice
+from .fp8 import WEIGHT_BLOCK, dequantize_weight_fp8, fp8_block_gemm
 from .interpreter import triton_interpreting
 
 try:
@@ -48,7 +46,6 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["fp8_block_gemm_cuda", "fp8_block_gemm_scaled_mm", "scaled_mm_supports", "fp8_block_gemm_triton", "HAVE_TRITON"]
 
-WEIGHT_BLOCK = 128
 _SCALED_MM_BROKEN: set[tuple] = set()  # shape classes where _scaled_mm raised once
 _PAD_WEIGHT_SCALES: bool | None = None  # which scale_b layout this torch build takes (found on first use)
 
@@ -83,8 +80,6 @@ def fp8_block_gemm_cuda(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws:
                 raise
             _SCALED_MM_BROKEN.add(key)
     if not HAVE_TRITON:
-        from .fp8 import dequantize_weight_fp8
-
         x = a.float() * sa.float().repeat_interleave(group, dim=-1)
         y = (x @ dequantize_weight_fp8(w, ws).T).to(out_dtype)
     else:
@@ -237,3 +232,8 @@ def fp8_block_gemm_triton(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws
         G=group, **cfg, **launch,
     )
     return c
+
+
+@fp8_block_gemm.register_kernel("cuda")
+def _fp8_block_gemm_cuda(xq, xs, w, ws, out_dtype):
+    return fp8_block_gemm_cuda(xq, xs, w, ws, out_dtype)

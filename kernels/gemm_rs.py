@@ -29,7 +29,8 @@ Two GEMMs, one op:
 
 ``min_tokens`` picks the path at run time: ``M >= min_tokens`` on CUDA takes
 the overlapped kernel (``kernels/gemm_rs_cuda.py``, symmetric memory and
-copy-engine pushes); below it, on CPU, or where symmetric memory is not
+copy-engine pushes; that module registers the op's CUDA kernel, this one
+never imports it); below it, on CPU, or where symmetric memory is not
 available, matmul + reduce-scatter. Both are correct for any M, and both can
 be captured in a CUDA graph, where M is fixed per graph.
 
@@ -46,7 +47,7 @@ import torch
 
 from . import fp8 as _fp8  # noqa: F401  (minimax::fp8_block_gemm, used by the FP8 path)
 
-__all__ = ["gemm_rs", "gemm_rs_reference", "local_gemm", "output_rows"]
+__all__ = ["gemm_rs", "gemm_rs_reference", "local_gemm", "output_rows", "check_args"]
 
 
 def output_rows(m, pad_rows: int, group_size: int):
@@ -54,7 +55,8 @@ def output_rows(m, pad_rows: int, group_size: int):
     return (m + pad_rows) // group_size
 
 
-def _check(x, weight, x_scale, weight_scale, bias, pad_rows, group_size, out_dtype) -> None:
+def check_args(x, weight, x_scale, weight_scale, bias, pad_rows, group_size, out_dtype) -> None:
+    """The errors the op raises for arguments that do not make a GEMM + reduce-scatter."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(
             f"minimax::gemm_rs: x and weight must be 2-D ([M, K] and [N, K]), got {tuple(x.shape)} and {tuple(weight.shape)}"
@@ -134,14 +136,8 @@ def gemm_rs(
     group_name: str,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    _check(x, weight, x_scale, weight_scale, bias, pad_rows, group_size, out_dtype)
-    if x.is_cuda and group_size > 1 and x.shape[0] >= min_tokens:
-        from . import gemm_rs_cuda
-
-        if gemm_rs_cuda.fused_available(group_name):
-            return gemm_rs_cuda.gemm_rs_fused(
-                x, weight, x_scale, weight_scale, bias, pad_rows, group_size, group_name, out_dtype
-            )
+    # CPU (and any device without a kernel of its own): matmul + reduce-scatter
+    check_args(x, weight, x_scale, weight_scale, bias, pad_rows, group_size, out_dtype)
     return gemm_rs_reference(x, weight, x_scale, weight_scale, bias, pad_rows, group_size, group_name, out_dtype)
 
 
@@ -158,6 +154,6 @@ def _gemm_rs_fake(
     group_name: str,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    _check(x, weight, x_scale, weight_scale, bias, pad_rows, group_size, out_dtype)
+    check_args(x, weight, x_scale, weight_scale, bias, pad_rows, group_size, out_dtype)
     rows = output_rows(x.shape[0], pad_rows, group_size)
     return x.new_empty((rows, weight.shape[0]), dtype=out_dtype or x.dtype)

@@ -1,6 +1,9 @@
 """GEMM overlapped with the reduce-scatter of its result, over NVLink (CUDA).
 
-The fused path of ``minimax::gemm_rs`` (see kernels/gemm_rs.py). With W ranks
+The fused path of ``minimax::gemm_rs`` (see kernels/gemm_rs.py); this module
+registers the op's CUDA kernel (the end of the file): the fused path from
+``min_tokens`` rows on where symmetric memory works, else the op's reference
+(matmul + reduce-scatter). With W ranks
 and M' = M + pad rows, rank d owns output rows [d*m, (d+1)*m), m = M'/W, cut
 into pieces (push_pieces). Every rank holds a symmetric-memory buffer
 ``sym [W, m, N]``: slot s receives rank s's partial sum of the rows this rank
@@ -63,6 +66,8 @@ import torch
 
 from .cublaslt_gemm import try_matmul_add
 from .env import env_choice
+from .fp8_gemm_cuda import fp8_block_gemm_cuda
+from .gemm_rs import check_args, gemm_rs, gemm_rs_reference, local_gemm
 
 log = logging.getLogger("minimax")
 
@@ -300,14 +305,10 @@ def _plain_gemm(x, weight, x_scale, weight_scale, bias, out_dtype, dst) -> None:
     elif x_scale is None:
         torch.addmm(bias.reshape(-1), x, weight.t(), out=dst)
     elif x.is_cuda:
-        from .fp8_gemm_cuda import fp8_block_gemm_cuda
-
         fp8_block_gemm_cuda(x, x_scale, weight, weight_scale, out_dtype, out=dst)
         if bias is not None:
             dst.add_(bias.reshape(-1).to(dst.dtype))
     else:
-        from .gemm_rs import local_gemm
-
         dst.copy_(local_gemm(x, weight, x_scale, weight_scale, bias, out_dtype))
 
 
@@ -470,3 +471,12 @@ def gemm_rs_fused(x, weight, x_scale, weight_scale, bias, pad_rows: int, group_s
     with ws.side():
         ws.barrier()
     return run_schedule(ws, gemm, tokens, x.shape[1], x_scale is not None, n, dtype, x.device)
+
+
+@gemm_rs.register_kernel("cuda")
+def _gemm_rs_cuda(x, weight, x_scale, weight_scale, bias, pad_rows, min_tokens, group_size, group_name,
+                  out_dtype=None):
+    check_args(x, weight, x_scale, weight_scale, bias, pad_rows, group_size, out_dtype)
+    if x.is_cuda and group_size > 1 and x.shape[0] >= min_tokens and fused_available(group_name):
+        return gemm_rs_fused(x, weight, x_scale, weight_scale, bias, pad_rows, group_size, group_name, out_dtype)
+    return gemm_rs_reference(x, weight, x_scale, weight_scale, bias, pad_rows, group_size, group_name, out_dtype)

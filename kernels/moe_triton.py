@@ -1,8 +1,10 @@
 """GPU path of the MoE ops: expert-sorted grouped GEMMs in Triton.
 
-minimax::moe and minimax::mega_moe keep their structure on the GPU (routing,
-the exchange, the combine: kernels/moe.py); what changes is how the local
-experts run. Instead of one GEMM pair per expert, the (token, slot) pairs
+minimax::moe and minimax::mega_moe (kernels/moe.py) keep their structure on
+the GPU (routing, the exchange, the combine: kernels/moe_reference.py and
+kernels/moe_parallel.py); what changes is how the local experts run. This
+module registers the ops' CUDA kernels (the end of the file); the op modules
+never import it. Instead of one GEMM pair per expert, the (token, slot) pairs
 routed to this rank's experts are sorted by expert and three kernels run:
 
     align_by_expert   (torch ops, no host sync) pairs sorted by expert, each
@@ -60,9 +62,14 @@ from typing import Optional
 import torch
 
 from .env import env_choice
-from .fp8 import FP8_DTYPE
+from .fp8 import FP8_DTYPE, quantize_fp8_reference
 from .interpreter import triton_interpreting as _interpreting
-from .moe import MoEWeights, gated_mlp
+from .moe import mega_moe, moe
+from .moe_align_triton import align_by_expert_triton, align_fits
+from .moe_parallel import mega_moe_reference
+from .moe_reference import MoEWeights, gated_mlp, local_experts_reference, moe_reference
+from .moe_route_triton import route_fits, route_mode, route_triton
+from .norm_quant_triton import quantize_fp8_triton
 
 try:  # optional: CPU installs use the reference only
     import triton
@@ -75,8 +82,6 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["HAVE_TRITON", "Alignment", "align_by_expert", "grouped_gated_mlp", "TritonMoEWeights", "supported",
            "single_expert_alignment", "tile_config"]
-
-
 
 
 _ACT = {"swigluoai": 0, "silu": 1}
@@ -177,8 +182,6 @@ def _align(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int, sh
     torch sort everywhere (to compare)."""
     mode = env_choice("MINIMAX_MOE_ALIGN", "triton", _ALIGN_MODES)
     if mode == "triton" and (ids.is_cuda or _interpreting()):
-        from .moe_align_triton import align_by_expert_triton, align_fits
-
         if align_fits(ids.numel()):
             return Alignment(*align_by_expert_triton(ids, expert_offset, n_local, block_m, shared_id), block_m)
     return align_by_expert(ids, expert_offset, n_local, block_m, shared_id)
@@ -571,9 +574,6 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     rows = num_m * bm
     dev = x.device
     if fp8:
-        from .fp8 import quantize_fp8_reference
-        from .norm_quant_triton import quantize_fp8_triton
-
         # one Triton kernel on the GPU (bit-equal to the reference, tests/test_norm_quant_gpu.py)
         # instead of the reference's ~10 elementwise kernels: at decode sizes launches dominate
         on_gpu = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
@@ -633,9 +633,7 @@ def shared_in_grouped_launch(tokens: int, top_k: int, num_experts: int, fp8: boo
 
 
 def triton_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights) -> torch.Tensor:
-    """The ExpertsFn of kernels/moe.py on the GPU (falls back to the reference when unsupported)."""
-    from .moe import local_experts_reference
-
+    """The ExpertsFn of kernels/moe_reference.py on the GPU (falls back to the reference when unsupported)."""
     if x.shape[0] == 0 or not supported(x, w):
         return local_experts_reference(x, ids, weights, w)
     return grouped_gated_mlp(x, ids, weights, w.w13, w.w2, w.w13_scale, w.w2_scale, w.expert_offset,
@@ -649,8 +647,6 @@ class TritonMoEWeights(MoEWeights):
     def route(self, x: torch.Tensor):
         """The router's selection in one kernel after the logits GEMM (kernels/moe_route_triton.py);
         MINIMAX_MOE_ROUTE=torch keeps the op-for-op path."""
-        from .moe_route_triton import route_fits, route_mode, route_triton
-
         if route_mode() == "triton" and route_fits(x, self.router_weight.shape[0], self.top_k):
             return route_triton(x, self.router_weight, self.correction_bias, self.top_k, self.norm_topk_prob,
                                 self.routed_scaling)
@@ -685,3 +681,21 @@ class TritonMoEWeights(MoEWeights):
         ids, ones = _shared_column(x.shape[0], 0, x.device)  # the one expert, weight 1 (cached)
         return grouped_gated_mlp(x, ids, ones, sh.w13, sh.w2, sh.w13_scale, sh.w2_scale, 0, self.activation,
                                  self.alpha, self.limit, self.beta, 1, single_expert=True).to(x.dtype)
+
+
+# ------------------------------------------------------------ the ops' CUDA kernels
+def _gpu_path(reference):
+    """The CUDA kernel of an op: the same code with the Triton grouped GEMMs for the
+    experts. MINIMAX_MOE_KERNEL=reference keeps the plain-torch experts (e.g. to
+    compare on the GPU); without Triton the reference runs on CUDA too."""
+
+    def impl(x, *args):
+        if env_choice("MINIMAX_MOE_KERNEL", "triton", ("triton", "reference")) == "reference" or not HAVE_TRITON:
+            return reference(x, *args)
+        return reference(x, *args, experts=triton_experts, weights_cls=TritonMoEWeights)
+
+    return impl
+
+
+moe.register_kernel("cuda")(_gpu_path(moe_reference))
+mega_moe.register_kernel("cuda")(_gpu_path(mega_moe_reference))

@@ -27,22 +27,23 @@
 Dense attention equals this while a query sees at most topk * block_size keys
 (every past block is selected then). The implementations here are plain torch
 in float32: the numerical reference, registered for every device. On CUDA the
-Triton kernels of kernels/msa_triton.py take over (imported lazily; that
-module never imports this one).
+Triton kernels of kernels/msa_triton.py take over: that module imports this
+one and registers the ops' CUDA kernels (this one never imports it).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["msa_select", "msa_attention", "msa_select_reference", "msa_attention_reference", "num_key_blocks"]
+__all__ = ["msa_select", "msa_attention", "msa_select_reference", "msa_attention_reference", "num_key_blocks",
+           "check_select", "check_attention"]
 
 
 def num_key_blocks(key_slots: int, block_size: int) -> int:
     return -(-key_slots // block_size)
 
 
-def _check_select(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks) -> None:
+def check_select(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks) -> None:
     if index_q.dim() != 3 or index_k.dim() != 3 or positions.dim() != 2:
         raise ValueError(
             f"msa_select: want index_q [T, Hi, D], index_k [B, L, D], positions [B, S]; got "
@@ -95,7 +96,7 @@ def top_blocks(block_scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 def msa_select_reference(index_q, index_k, positions, block_size, topk, local_blocks=1, init_blocks=0):
-    _check_select(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks)
+    check_select(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks)
     scores = block_scores_reference(index_q, index_k, positions, block_size, local_blocks, init_blocks)
     return top_blocks(scores, topk).flatten(0, 1)
 
@@ -112,12 +113,12 @@ def msa_select(index_q: torch.Tensor, index_k: torch.Tensor, positions: torch.Te
 
 @msa_select.register_fake
 def _msa_select_fake(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks):
-    _check_select(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks)
+    check_select(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks)
     return index_q.new_empty(_select_shape(index_q, index_k, block_size, topk), dtype=torch.int32)
 
 
 # ------------------------------------------------------------------ attention
-def _check_attention(q, k, v, blocks, positions, block_size) -> None:
+def check_attention(q, k, v, blocks, positions, block_size) -> None:
     if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape or blocks.dim() != 3:
         raise ValueError(
             f"msa_attention: want q [T, Hq, d], k = v [B, Hkv, L, d], blocks [T, Hi, K]; got "
@@ -149,7 +150,7 @@ def selected_key_mask(blocks: torch.Tensor, positions: torch.Tensor, block_size:
 
 
 def msa_attention_reference(q, k, v, blocks, positions, block_size, scale):
-    _check_attention(q, k, v, blocks, positions, block_size)
+    check_attention(q, k, v, blocks, positions, block_size)
     batch, seq = positions.shape
     hq, hkv, hi = q.shape[1], k.shape[1], blocks.shape[1]
     slots = k.shape[2]
@@ -173,28 +174,5 @@ def msa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: tor
 
 @msa_attention.register_fake
 def _msa_attention_fake(q, k, v, blocks, positions, block_size, scale):
-    _check_attention(q, k, v, blocks, positions, block_size)
+    check_attention(q, k, v, blocks, positions, block_size)
     return torch.empty_like(q)
-
-
-# ------------------------------------------------------------------ CUDA paths
-@msa_select.register_kernel("cuda")
-def _msa_select_cuda(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks):
-    from . import msa_triton
-
-    if not msa_triton.supported(index_q, index_k):
-        return msa_select_reference(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks)
-    _check_select(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks)
-    scores = msa_triton.block_scores(index_q, index_k, positions, block_size, local_blocks, init_blocks,
-                                     num_key_blocks(index_k.shape[1], block_size))
-    return msa_triton.top_blocks(scores, topk)
-
-
-@msa_attention.register_kernel("cuda")
-def _msa_attention_cuda(q, k, v, blocks, positions, block_size, scale):
-    from . import msa_triton
-
-    if not msa_triton.supported(q, k, v):
-        return msa_attention_reference(q, k, v, blocks, positions, block_size, scale)
-    _check_attention(q, k, v, blocks, positions, block_size)
-    return msa_triton.sparse_attention(q, k, v, blocks, positions, block_size, scale)

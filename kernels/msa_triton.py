@@ -24,7 +24,8 @@
                    (flash-decoding).
 
 Everything is shape-static for a given token count, so it captures into CUDA
-graphs. This module never imports kernels/msa.py (that one imports this).
+graphs. This module registers the ops' CUDA kernels (the end of the file);
+kernels/msa.py, which defines the ops and their references, never imports it.
 Under TRITON_INTERPRET=1 the kernels run on CPU tensors (tests); the
 interpreter's bf16 tl.dot is wrong, so they upcast to float32 there.
 """
@@ -35,6 +36,7 @@ import math
 
 import torch
 
+from . import msa as _ops
 from .interpreter import triton_interpreting as _interpreting
 
 try:  # optional: CPU installs use the reference only
@@ -325,3 +327,22 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: 
     if split > 1:
         _merge_kernel[(tokens, hq)](o, lse, out, out.stride(0), out.stride(1), HQ=hq, SPLIT=split, D=dim, num_warps=4)
     return out
+
+
+# ------------------------------------------------------------ the ops' CUDA kernels
+@_ops.msa_select.register_kernel("cuda")
+def _msa_select_cuda(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks):
+    if not supported(index_q, index_k):
+        return _ops.msa_select_reference(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks)
+    _ops.check_select(index_q, index_k, positions, block_size, topk, local_blocks, init_blocks)
+    scores = block_scores(index_q, index_k, positions, block_size, local_blocks, init_blocks,
+                          _ops.num_key_blocks(index_k.shape[1], block_size))
+    return top_blocks(scores, topk)
+
+
+@_ops.msa_attention.register_kernel("cuda")
+def _msa_attention_cuda(q, k, v, blocks, positions, block_size, scale):
+    if not supported(q, k, v):
+        return _ops.msa_attention_reference(q, k, v, blocks, positions, block_size, scale)
+    _ops.check_attention(q, k, v, blocks, positions, block_size)
+    return sparse_attention(q, k, v, blocks, positions, block_size, scale)

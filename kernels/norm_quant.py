@@ -21,7 +21,8 @@ RMSNorm exactly as `model/layers.py:RMSNorm` (float32 math, the same casts),
 then `minimax::quantize_fp8` of the norm output in x.dtype. The CPU
 implementation is literally that sequence of torch calls, so it is equal bit
 for bit to the model's unfused path (a test checks it). On CUDA a Triton kernel
-runs it (kernels/norm_quant_triton.py; one program per row, float32
+runs it (kernels/norm_quant_triton.py, which registers itself as the op's CUDA
+kernel; this module never imports it; one program per row, float32
 reductions); where Triton is missing or the dtype is one it does not handle,
 the CUDA path falls back to the reference.
 
@@ -111,17 +112,6 @@ def rms_norm_quant_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # CPU (and any device without a kernel of its own): the reference. Every
     # output is a fresh tensor (a custom op may not return its inputs' storage).
-    return rms_norm_quant_fp8_reference(x, residual, weight, eps, gemma, group_size, want_bf16_output)
-
-
-@rms_norm_quant_fp8.register_kernel("cuda")
-def _rms_norm_quant_fp8_cuda(x, residual, weight, eps, gemma, group_size=128, want_bf16_output=False):
-    from . import norm_quant_triton
-
-    if norm_quant_triton.supported(x, residual, weight, group_size):
-        return norm_quant_triton.rms_norm_quant_fp8_triton(
-            x, residual, weight, eps, gemma, group_size, want_bf16_output
-        )
     return rms_norm_quant_fp8_reference(x, residual, weight, eps, gemma, group_size, want_bf16_output)
 
 

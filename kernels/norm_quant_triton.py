@@ -1,4 +1,9 @@
-"""Triton kernel of `minimax::rms_norm_quant_fp8` (see kernels/norm_quant.py).
+"""Triton kernel of `minimax::rms_norm_quant_fp8` (see kernels/norm_quant.py), and of
+`minimax::quantize_fp8` (kernels/fp8.py) as the same kernel without the norm.
+
+This module registers both as the ops' CUDA kernels (the op modules never
+import it); inputs the kernel does not take (no Triton, other dtypes, empty
+tensors) run the ops' plain-torch references.
 
 One program handles ROWS rows (ROWS = 1 at the served width, hidden 6144; more
 for narrow rows so a program still moves a useful number of bytes). A row is
@@ -43,8 +48,9 @@ from typing import Optional
 
 import torch
 
-from .fp8 import FP8_DTYPE
+from .fp8 import FP8_DTYPE, quantize_fp8, quantize_fp8_reference
 from .interpreter import triton_interpreting as _interpreting
+from .norm_quant import rms_norm_quant_fp8, rms_norm_quant_fp8_reference
 
 try:  # Triton is optional: CPU installs without it use the reference only.
     import triton
@@ -60,8 +66,6 @@ __all__ = ["HAVE_TRITON", "supported", "rms_norm_quant_fp8_triton", "quantize_fp
            "tile_groups"]
 
 _DTYPES = (torch.bfloat16, torch.float32)
-
-
 
 
 def supported(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, group_size: int) -> bool:
@@ -312,3 +316,18 @@ def quantize_fp8_triton(x: torch.Tensor, group_size: int = 128, num_warps: int |
             num_warps=num_warps or cfg["num_warps"],
         )
     return q.reshape(shape), s.reshape(*shape[:-1], k // group_size)
+
+
+# ------------------------------------------------------------------ the ops' CUDA kernels
+@rms_norm_quant_fp8.register_kernel("cuda")
+def _rms_norm_quant_fp8_cuda(x, residual, weight, eps, gemma, group_size=128, want_bf16_output=False):
+    if supported(x, residual, weight, group_size):
+        return rms_norm_quant_fp8_triton(x, residual, weight, eps, gemma, group_size, want_bf16_output)
+    return rms_norm_quant_fp8_reference(x, residual, weight, eps, gemma, group_size, want_bf16_output)
+
+
+@quantize_fp8.register_kernel("cuda")
+def _quantize_fp8_cuda(x, group_size=128):
+    if HAVE_TRITON and x.dtype in (torch.bfloat16, torch.float16) and x.numel():
+        return quantize_fp8_triton(x, group_size)
+    return quantize_fp8_reference(x, group_size)

@@ -22,6 +22,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .fp8 import WEIGHT_BLOCK
+
 __all__ = ["stacked_gemm", "stacked_view", "rows_are_stacked"]
 
 log = logging.getLogger("minimax")
@@ -69,8 +71,6 @@ def _check(x, x_scale, weights, weight_scales) -> None:
 def _scales_stack(weights, weight_scales) -> bool:
     """FP8: the block scales stack with the weights only if every weight but the last
     ends on a 128-row block boundary (else one block row would mix two weights)."""
-    from .fp8 import WEIGHT_BLOCK
-
     return all(w.shape[0] % WEIGHT_BLOCK == 0 for w in weights[:-1]) and rows_are_stacked(weight_scales)
 
 

@@ -85,7 +85,7 @@ def test_single_expert_alignment_equals_the_sort(tokens, block_m):
 
 
 def test_bad_kernel_switches_are_errors(monkeypatch):
-    from minimax_backend.kernels import moe as moe_ops
+    from minimax_backend.kernels import moe_triton
     from minimax_backend.kernels.moe_triton import tile_config
 
     monkeypatch.setenv("MINIMAX_MOE_TILES", "64,128")
@@ -93,7 +93,7 @@ def test_bad_kernel_switches_are_errors(monkeypatch):
         tile_config(8, 2, 8, False)
     monkeypatch.setenv("MINIMAX_MOE_KERNEL", "cutlass")
     with pytest.raises(ValueError, match="MINIMAX_MOE_KERNEL='cutlass'"):
-        moe_ops._gpu_path(moe_ops.moe_reference)(torch.zeros(1, 4))
+        moe_triton._gpu_path(K.moe_reference)(torch.zeros(1, 4))
     monkeypatch.setenv("MINIMAX_MOE_TILES", "16,128,128,4,3,64")  # the optional down BLOCK_N
     assert tile_config(8, 2, 8, True)["BN_DOWN"] == 64
 
