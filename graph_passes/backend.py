@@ -21,17 +21,17 @@ import copy
 import logging
 import time
 import warnings
-from collections import Counter
 from typing import Any, Sequence
 
 import torch
 import torch.fx
 
-from .base import PassContext, PassError
 from . import cudagraph_capture
+from .base import PassContext, PassError
 from .codegen import generate, mutated_input_idxs, static_input_idxs
 from .config import BackendConfig, BackendOptionError
 from .manager import PassManager, make_dumper
+from .op_counts import op_counts
 
 log = logging.getLogger("minimax")
 
@@ -46,18 +46,6 @@ def last_compile_report() -> dict[str, Any] | None:
 def compile_reports() -> list[dict[str, Any]]:
     """Every compile of this process, oldest first (recompiles add entries)."""
     return copy.deepcopy(_REPORTS)
-
-
-def count_ops(gm: torch.fx.GraphModule | torch.fx.Graph) -> dict[str, int]:
-    """Op counts named `namespace.op`: H4's op_counts when present, else a local count."""
-    try:
-        from .op_counts import op_counts
-    except ImportError:
-        from ..patterns import op_name
-
-        graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
-        return dict(sorted(Counter(n for node in graph.nodes if (n := op_name(node))).items()))
-    return op_counts(gm)
 
 
 def minimax_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options=None, **kwargs):
@@ -134,7 +122,7 @@ def _run_pipeline(aten_gm, aten_inputs, config: BackendConfig, manager: PassMana
     # The dumper claims its own folder under dump_dir (one per compile and rank).
     dumper = make_dumper(config.dump_dir, f"compile{index}")
     dump_dir = getattr(dumper, "dir", None) or config.dump_dir
-    ops_before = count_ops(aten_gm)
+    ops_before = op_counts(aten_gm)
     dumper.record("captured", aten_gm, note=f"{ctx.describe()}, codegen={config.codegen}")
     n_nodes = len(aten_gm.graph.nodes)
     log.info("minimax: compile %d: %d-node ATen graph, %s, codegen=%s", index, n_nodes, ctx.describe(), config.codegen)
@@ -161,7 +149,7 @@ def _run_pipeline(aten_gm, aten_inputs, config: BackendConfig, manager: PassMana
     results = manager.run(aten_gm, ctx, dumper)
     report["passes"] = [r.to_dict() for r in results]
     dumper.record("final", aten_gm)
-    report["ops_after"] = count_ops(aten_gm)
+    report["ops_after"] = op_counts(aten_gm)
     index_path = dumper.finish()
     report["dump_index"] = str(index_path) if index_path else None
     report["timings_s"]["passes"] = time.perf_counter() - t0

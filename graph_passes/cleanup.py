@@ -8,7 +8,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..patterns import is_op, val
+from ..patterns.fx import is_op, val
 from .base import GraphPass, PassContext, PassResult
 from .manager import register_pass
 
@@ -47,9 +47,6 @@ def _is_side_effect(node: torch.fx.Node) -> bool:
 class CleanupPass(GraphPass):
     name = "cleanup"
 
-    def expects_matches(self, ctx: PassContext) -> bool:
-        return False
-
     def apply(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         g = gm.graph
         noop = 0
@@ -73,4 +70,4 @@ class CleanupPass(GraphPass):
             dead += 1
         total = noop + dead
         breakdown = {k: v for k, v in (("no-op view", noop), ("dead", dead)) if v}
-        return self.result(matches=total, graph_changed=total > 0, breakdown=breakdown)
+        return self.result(matches=total, graph_changed=total > 0, breakdown=breakdown, expected=False)

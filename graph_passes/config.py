@@ -19,38 +19,29 @@ from typing import Any, Mapping
 ENV_VAR = "MINIMAX_OPTIONS"
 
 MODES = ("auto", "on", "off")
-QUANT_FORMATS = ("fp8_block128", "mxfp8")
 CODEGENS = ("inductor", "fx")
-
-# Passes with an auto/on/off switch, in pipeline order (cleanup always runs).
-PASS_SWITCHES = (
-    "moe_canonicalize",
-    "fuse_indexer_qkv",
-    "sequence_parallel",
-    "fuse_norm_quant",
-    "gemm_reduce_scatter",
-    "moe_lower",
-)
 
 
 class BackendOptionError(ValueError):
     """An option the backend does not know, or a value of the wrong kind."""
 
 
-def _mode(**kw):
-    return field(default="auto", metadata={"choices": MODES, **kw})
+def _pass_switch(doc: str):
+    """The auto/on/off field of the pass of the same name (graph_passes/<name>.py)."""
+    return field(default="auto", metadata={"choices": MODES, "pass": True, "doc": doc})
 
 
 @dataclass(frozen=True)
 class BackendConfig:
     # Per-pass switch: "auto" follows the pass's own rule, "on" forces it (and
-    # makes finding nothing a failure), "off" skips it.
-    moe_canonicalize: str = _mode(doc="eager MoE -> one minimax::moe op")
-    fuse_indexer_qkv: str = _mode(doc="sparse layers: QKV + indexer projections -> one GEMM")
-    sequence_parallel: str = _mode(doc="residual stream split by token across TP ranks")
-    fuse_norm_quant: str = _mode(doc="RMSNorm + FP8 quantize -> one kernel")
-    gemm_reduce_scatter: str = _mode(doc="matmul + reduce-scatter -> one overlapped op")
-    moe_lower: str = _mode(doc="minimax::moe -> MegaMoE (dispatch, expert GEMMs, combine)")
+    # makes finding nothing a failure), "off" skips it. The passes run in this
+    # order, between a cleanup first and last (PASS_SWITCHES, DEFAULT_ORDER).
+    moe_canonicalize: str = _pass_switch("eager MoE -> one minimax::moe op")
+    fuse_indexer_qkv: str = _pass_switch("sparse layers: QKV + indexer projections -> one GEMM")
+    sequence_parallel: str = _pass_switch("residual stream split by token across TP ranks")
+    fuse_norm_quant: str = _pass_switch("RMSNorm + FP8 quantize -> one kernel")
+    gemm_reduce_scatter: str = _pass_switch("matmul + reduce-scatter -> one overlapped op")
+    moe_lower: str = _pass_switch("minimax::moe -> MegaMoE (dispatch, expert GEMMs, combine)")
 
     # Fused GEMM-RS only at or above this many tokens (matmul + RS below).
     # Measured on 2 x H200, 2026-11-30 (tools/bench_gemm_rs.py, graphs of 10
@@ -64,7 +55,9 @@ class BackendConfig:
     # issue 4's benchmark saw 1.15x at 1024 with MoE layers. Sizes between 16
     # and 1024 are not measured: off there until they are.
     sequence_parallel_min_tokens: int = 1024
-    quant_format: str = field(default="fp8_block128", metadata={"choices": QUANT_FORMATS})
+    # The FP8 format: 1 x 128 activation groups, 128 x 128 weight blocks (what Hopper's
+    # kernels take). The only one implemented; MXFP8 (groups of 32) needs Blackwell.
+    quant_format: str = field(default="fp8_block128", metadata={"choices": ("fp8_block128",)})
     # Gather FP8 data + scales instead of BF16 before the QKV GEMM (half the bytes).
     fp8_allgather: bool = False
 
@@ -187,3 +180,8 @@ def _check_field(f: dataclasses.Field, value: Any) -> None:
             raise BackendOptionError(
                 f"option cudagraph_buckets={value!r}: must be a non-empty increasing tuple of positive ints"
             )
+
+
+# The passes with a switch, in pipeline order, and the whole pipeline (cleanup first and last).
+PASS_SWITCHES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(BackendConfig) if f.metadata.get("pass"))
+DEFAULT_ORDER: tuple[str, ...] = ("cleanup", *PASS_SWITCHES, "cleanup")

@@ -17,33 +17,23 @@ and listed in the record.
 
 from __future__ import annotations
 
-import logging
-import warnings
 from collections import Counter
 
 import torch.fx
 
-from ..patterns import is_op
+from ..patterns.fx import is_op
 from ..patterns.stacked_linears import find_stacked_linears
-from .base import GraphPass, PassContext, PassError, PassResult, PassWarning
+from .base import GraphPass, PassContext, PassResult
 from .manager import register_pass
 
 
 @register_pass
 class FuseIndexerQKVPass(GraphPass):
     name = "fuse_indexer_qkv"
-    switch = "fuse_indexer_qkv"
     hash_modules = ("minimax_backend.patterns.stacked_linears", "minimax_backend.kernels.stacked_gemm")
 
-    def __init__(self, config):
-        super().__init__(config)
-        self._sparse_layers = 0
-
-    def expects_matches(self, ctx: PassContext) -> bool:
-        return self.mode() == "on" or (self.is_enabled(ctx) and self._sparse_layers > 0)
-
     def apply(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        self._sparse_layers = sum(1 for n in gm.graph.nodes if is_op(n, "minimax.msa_select"))
+        sparse_layers = sum(1 for n in gm.graph.nodes if is_op(n, "minimax.msa_select"))
         matches, left = find_stacked_linears(gm.graph)
         kinds = Counter()
         details = []
@@ -53,16 +43,12 @@ class FuseIndexerQKVPass(GraphPass):
             details.append(f"{node.name}: {m.describe()}")
         details += [f"left alone: {u.reason}" for u in left]
         skipped = None
-        if not self._sparse_layers:
+        if not sparse_layers:
             skipped = "no sparse attention layer (minimax.msa_select) in the graph"
-        elif len(matches) < self._sparse_layers:
-            skipped = (f"{len(matches)} fused for {self._sparse_layers} sparse layers"
+        elif len(matches) < sparse_layers:
+            skipped = (f"{len(matches)} fused for {sparse_layers} sparse layers"
                        + (f"; {left[0].reason}" if left else ""))
-            if matches:  # a partial match is never silent (none at all: the manager's miss rule)
-                if self.config.strict:
-                    raise PassError(f"{self.name}: {skipped}")
-                logging.getLogger("minimax").warning("minimax: WARNING %s: %s", self.name, skipped)
-                warnings.warn(f"{self.name}: {skipped}", PassWarning, stacklevel=2)
         return self.result(matches=len(matches), graph_changed=bool(matches), skipped=skipped,
-                           breakdown={"sparse layers": self._sparse_layers, **dict(sorted(kinds.items()))},
+                           expected=self.mode() == "on" or sparse_layers > 0, candidates=sparse_layers,
+                           breakdown={"sparse layers": sparse_layers, **dict(sorted(kinds.items()))},
                            details=details)

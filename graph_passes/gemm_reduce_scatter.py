@@ -24,7 +24,6 @@ from collections import Counter
 
 import torch.fx
 
-from .. import kernels  # noqa: F401  (registers minimax::gemm_rs)
 from ..patterns.gemm_rs import KINDS, find_gemm_reduce_scatters
 from .base import GraphPass, PassContext, PassResult
 from .manager import register_pass
@@ -33,32 +32,23 @@ from .manager import register_pass
 @register_pass
 class GemmReduceScatterPass(GraphPass):
     name = "gemm_reduce_scatter"
-    switch = "gemm_reduce_scatter"
     config_fields = ("gemm_rs_min_tokens",)
     hash_modules = ("minimax_backend.patterns.gemm_rs", "minimax_backend.kernels.gemm_rs")
 
-    def __init__(self, config):
-        super().__init__(config)
-        self._gemm_fed = 0  # reduce-scatters fed by a matmul in the last graph seen
-
-    def decide(self, ctx: PassContext):
+    def decide(self, gm: torch.fx.GraphModule, ctx: PassContext):
         if ctx.tp_size <= 1:
             return False, "TP is 1: no reduce-scatter to fuse"
-        return super().decide(ctx)
-
-    def expects_matches(self, ctx: PassContext) -> bool:
-        # Set by apply(), which the manager runs first: a matmul feeds a
-        # reduce-scatter, so fusing nothing means something went wrong.
-        return self._gemm_fed > 0
+        return super().decide(gm, ctx)
 
     def apply(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         matches, rejected, total = find_gemm_reduce_scatters(gm.graph)
-        self._gemm_fed = len(matches) + sum(r.gemm_fed for r in rejected)
+        # A matmul feeds a reduce-scatter: fusing nothing then means something went wrong.
+        gemm_fed = len(matches) + sum(r.gemm_fed for r in rejected)
         min_tokens = self.config.gemm_rs_min_tokens
         details = [f"left alone: {r.reason}" for r in rejected]
         if total == 0:
             return self.result(matches=0, skipped="no reduce-scatter in the graph (sequence parallelism is off?)",
-                               breakdown={k: 0 for k in KINDS})
+                               breakdown={k: 0 for k in KINDS}, expected=False)
         kinds = Counter()
         for m in matches:
             tokens, gemm_name = m.tokens, m.gemm.name
@@ -68,13 +58,10 @@ class GemmReduceScatterPass(GraphPass):
             path = "overlapped kernel on CUDA" if fused else "matmul + reduce-scatter"
             details.append(f"{node.name}: {m.kind} from {gemm_name}, {tokens} tokens, pad {m.pad_rows}, "
                            f"group {m.group_name} x{m.group_size}, min_tokens {min_tokens} -> {path} at this size")
-        if matches:
-            gm.graph.lint()
-            gm.recompile()
         skipped = None
         if not matches:
             first = next((r.reason for r in rejected if r.gemm_fed), None)
             skipped = (f"none of the {total} reduce-scatter(s) is fed by a matmul that only feeds it ({first})"
                        if first else f"none of the {total} reduce-scatter(s) is fed by a matmul")
-        return self.result(matches=len(matches), graph_changed=bool(matches), skipped=skipped,
+        return self.result(matches=len(matches), graph_changed=bool(matches), skipped=skipped, expected=gemm_fed > 0,
                            breakdown={k: kinds[k] for k in KINDS}, details=details)

@@ -2,15 +2,22 @@
 
 Sequence parallelism changes the residual's shape across layers, so every
 pass sees the full graph, never pieces. After each pass the manager lints
-and recompiles the graph, checks each node still carries its fake value,
-records a dump stage, logs one line, and holds the pass to what it found:
-an enabled pass that expected matches and found none is a ``PassError``
-in strict mode and a loud warning otherwise.
+and recompiles the graph, recomputes the fake tensors where the pass changes
+shapes, checks each node still carries its fake value, records a dump
+stage, logs one line, and holds the pass to its record: a pass that expected
+matches and found none is a ``PassError`` in strict mode and a loud warning
+otherwise; a partial match (fewer matches than candidates) is a warning.
+
+A pass is registered once, under its name (``@register_pass``); a pass whose
+name is a ``BackendConfig`` switch lives in ``graph_passes/<name>.py`` and
+runs in the order of the switches (config.DEFAULT_ORDER).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib
 import logging
 import time
 import warnings
@@ -19,20 +26,10 @@ from typing import Iterable, Sequence
 import torch.fx
 
 from .base import GraphPass, PassContext, PassError, PassResult, PassWarning
-from .config import PASS_SWITCHES, BackendConfig
+from .config import DEFAULT_ORDER, PASS_SWITCHES, BackendConfig
+from .meta_refresh import refresh_fake_meta
 
 log = logging.getLogger("minimax")
-
-DEFAULT_ORDER: tuple[str, ...] = (
-    "cleanup",
-    "moe_canonicalize",
-    "fuse_indexer_qkv",
-    "sequence_parallel",
-    "fuse_norm_quant",
-    "gemm_reduce_scatter",
-    "moe_lower",
-    "cleanup",
-)
 
 _REGISTRY: dict[str, type[GraphPass]] = {}
 
@@ -56,21 +53,9 @@ def unregister_pass(name: str) -> None:
 
 
 def registered_passes() -> dict[str, type[GraphPass]]:
-    _load_builtin_passes()
+    for name in ("cleanup", *PASS_SWITCHES):  # each registers itself on import
+        importlib.import_module(f"{__package__}.{name}")
     return dict(_REGISTRY)
-
-
-def _load_builtin_passes() -> None:
-    # Convention: pass <name> lives in graph_passes/<name>.py and registers
-    # itself on import. A module that does not exist yet stays "not implemented".
-    import importlib
-
-    for mod in ("cleanup", *PASS_SWITCHES):
-        try:
-            importlib.import_module(f"{__package__}.{mod}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.{mod}":
-                raise
 
 
 def make_dumper(out_dir: str | None = None, title: str = ""):
@@ -90,21 +75,15 @@ class PassManager:
         self.config = config
         self.order = tuple(order)
         registry = registered_passes()
-        self.passes: list[GraphPass | str] = []  # a str is a planned pass with no implementation yet
-        for name in self.order:
-            if name in registry:
-                self.passes.append(registry[name](config))
-            elif name in PASS_SWITCHES:
-                if config.mode(name) == "on":
-                    raise PassError(f"pass {name} is not implemented yet; set {name}='auto' or 'off'")
-                self.passes.append(name)
-            else:
-                raise PassError(f"unknown pass {name!r}; registered: {', '.join(sorted(registry))}")
+        unknown = [n for n in self.order if n not in registry]
+        if unknown:
+            raise PassError(f"unknown pass(es) {unknown}; registered: {', '.join(sorted(registry))}")
+        self.passes: list[GraphPass] = [registry[name](config) for name in self.order]
 
     def stable_hash(self) -> str:
         h = hashlib.sha256(self.config.stable_hash().encode())
         for p in self.passes:
-            h.update((p.uuid() if isinstance(p, GraphPass) else f"planned:{p}").encode())
+            h.update(p.uuid().encode())
         return h.hexdigest()
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext, dumper=None) -> list[PassResult]:
@@ -112,25 +91,21 @@ class PassManager:
         results: list[PassResult] = []
         seen: dict[str, int] = {}
         for p in self.passes:
-            name = p.name if isinstance(p, GraphPass) else p
-            seen[name] = seen.get(name, 0) + 1
-            stage = name if seen[name] == 1 else f"{name}_{seen[name]}"
+            seen[p.name] = seen.get(p.name, 0) + 1
+            stage = p.name if seen[p.name] == 1 else f"{p.name}_{seen[p.name]}"
             res = self._run_one(p, gm, ctx)
             results.append(res)
             log.info(res.summary())
             for d in res.details:
-                log.debug("minimax:   %s: %s", name, d)
+                log.debug("minimax:   %s: %s", p.name, d)
             if res.enabled:
                 dumper.record(stage, gm, note=res.summary())
         return results
 
-    def _run_one(self, p: GraphPass | str, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        if isinstance(p, str):
-            off = self.config.mode(p) == "off"
-            return PassResult(name=p, enabled=False, skipped=f"off in config ({p}='off')" if off else "not implemented yet")
-        enabled, why = p.decide(ctx)
+    def _run_one(self, p: GraphPass, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+        enabled, why = p.decide(gm, ctx)
         if not enabled:
-            return p.result(enabled=False, skipped=why)
+            return p.result(enabled=False, skipped=why, expected=False)
         t0 = time.perf_counter()
         try:
             res = p.apply(gm, ctx)
@@ -138,11 +113,14 @@ class PassManager:
             raise
         except Exception as e:
             raise PassError(f"pass {p.name} failed: {type(e).__name__}: {e}") from e
-        res.enabled = True
-        res.seconds = time.perf_counter() - t0
-        _check_graph(gm, p.name)
-        if res.matches == 0 and p.expects_matches(ctx):
+        _check_graph(gm, p.name, refresh=res.graph_changed and p.changes_shapes)
+        res = dataclasses.replace(res, enabled=True, seconds=time.perf_counter() - t0)
+        if res.matches == 0 and res.expected:
             self._missed(p, res, ctx)
+        elif res.partial:
+            msg = f"{p.name} matched {res.matches} of {res.candidates} candidates: {res.skipped}"
+            log.warning("minimax: WARNING %s", msg)
+            warnings.warn(msg, PassWarning, stacklevel=2)
         return res
 
     def _missed(self, p: GraphPass, res: PassResult, ctx: PassContext) -> None:
@@ -157,12 +135,16 @@ class PassManager:
         warnings.warn(msg, PassWarning, stacklevel=2)
 
 
-def _check_graph(gm: torch.fx.GraphModule, pass_name: str) -> None:
-    """Lint, recompile, and insist every value node has a fake value (Inductor needs it)."""
+def _check_graph(gm: torch.fx.GraphModule, pass_name: str, refresh: bool) -> None:
+    """Lint, recompile, recompute fake values where shapes changed, and insist every value
+    node has one (Inductor needs it)."""
     try:
         gm.graph.lint()
     except Exception as e:
         raise PassError(f"pass {pass_name} left an invalid graph: {e}") from e
+    gm.recompile()
+    if refresh:
+        refresh_fake_meta(gm)
     missing = [
         n.name
         for n in gm.graph.nodes
@@ -170,9 +152,8 @@ def _check_graph(gm: torch.fx.GraphModule, pass_name: str) -> None:
     ]
     if missing:
         raise PassError(
-            f"pass {pass_name} left nodes without meta['val'] (use patterns.set_fake_val): {', '.join(missing[:10])}"
+            f"pass {pass_name} left nodes without meta['val'] (use patterns.fx.set_fake_val): {', '.join(missing[:10])}"
         )
-    gm.recompile()
 
 
 def run_passes(config: BackendConfig, gm: torch.fx.GraphModule, ctx: PassContext, dumper=None,

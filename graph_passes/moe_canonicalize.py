@@ -18,42 +18,23 @@ match is logged as a warning too.
 
 from __future__ import annotations
 
-import logging
-
 import torch.fx
 
-from ..patterns.moe import Mismatch, find_moe_topks, match_moe_block
-from .base import CandidatePass, PassContext, PassResult
+from ..patterns.moe_block import find_moe_topks, match_moe_block
+from .base import CandidatePass, PassContext
 from .manager import register_pass
-
-log = logging.getLogger("minimax")
 
 
 @register_pass
 class MoECanonicalizePass(CandidatePass):
     name = "moe_canonicalize"
-    switch = "moe_canonicalize"
-    hash_modules = ("minimax_backend.patterns.moe", "minimax_backend.kernels.moe")
+    hash_modules = ("minimax_backend.patterns.moe_block", "minimax_backend.patterns.linears",
+                    "minimax_backend.kernels.moe")
+    no_candidates = "no MoE block (no aten.topk) in the graph"
+    what = "MoE candidates"
 
+    def candidates(self, gm: torch.fx.GraphModule, ctx: PassContext) -> list[torch.fx.Node]:
+        return find_moe_topks(gm.graph)
 
-    def apply(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        graph = gm.graph
-        topks = find_moe_topks(graph)
-        self._candidates = len(topks)
-        if not topks:
-            return self.result(matches=0, skipped="no MoE block (no aten.topk) in the graph")
-        details, misses, kinds = [], [], {}
-        for i, topk in enumerate(topks):
-            try:
-                match = match_moe_block(topk)
-            except Mismatch as e:
-                misses.append(f"block {i} ({topk.name}) left alone: {e}")
-                continue
-            except Exception as e:  # a matcher bug must not corrupt the graph: leave the block alone
-                misses.append(f"block {i} ({topk.name}) left alone: matcher error {type(e).__name__}: {e}")
-                continue
-            node = match.replace(graph, ctx.fake_mode)
-            kind = "shared" if match.shared is not None else "routed only"
-            kinds[kind] = kinds.get(kind, 0) + 1
-            details.append(f"block {i} -> {node.name}: {match.describe()}")
-        return self.finish(gm, kinds, details, misses, "MoE candidates")
+    def match(self, topk: torch.fx.Node, ctx: PassContext):
+        return match_moe_block(topk)

@@ -23,45 +23,27 @@ it is (it still computes the right thing, unfused) and the record says why.
 
 from __future__ import annotations
 
-import logging
-
 import torch.fx
 
-from ..patterns import is_op
-from ..patterns.moe import Mismatch, match_moe_collectives
-from .base import CandidatePass, PassContext, PassResult
+from ..kernels.moe import choose_dispatch
+from ..patterns.fx import is_op
+from ..patterns.moe_collectives import match_moe_collectives
+from .base import CandidatePass, PassContext
 from .manager import register_pass
-
-log = logging.getLogger("minimax")
 
 
 @register_pass
 class MoELowerPass(CandidatePass):
     name = "moe_lower"
-    switch = "moe_lower"
-    hash_modules = ("minimax_backend.patterns.moe", "minimax_backend.kernels.moe")
+    hash_modules = ("minimax_backend.patterns.moe_collectives", "minimax_backend.kernels.moe")
+    no_candidates = "no minimax.moe in the graph (is moe_canonicalize on?)"
+    what = "minimax.moe nodes"
 
+    def candidates(self, gm: torch.fx.GraphModule, ctx: PassContext) -> list[torch.fx.Node]:
+        return [n for n in gm.graph.nodes if is_op(n, "minimax.moe")]
 
-    def apply(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
-        graph = gm.graph
-        moes = [n for n in graph.nodes if is_op(n, "minimax.moe")]
-        self._candidates = len(moes)
-        if not moes:
-            return self.result(matches=0, skipped="no minimax.moe in the graph (is moe_canonicalize on?)")
+    def match(self, moe: torch.fx.Node, ctx: PassContext):
         # One device: no collective anywhere in the graph (a process may run
         # torch.distributed and still compile an unsharded model).
         single = ctx.tp_size <= 1 or not ctx.group_names
-        details, misses, forms = [], [], {}
-        for i, moe in enumerate(moes):
-            try:
-                lowering = match_moe_collectives(moe, single_device=single)
-                node = lowering.replace(graph, ctx.fake_mode)
-            except Mismatch as e:
-                misses.append(f"{moe.name} left unfused: {e}")
-                continue
-            forms[lowering.form] = forms.get(lowering.form, 0) + 1
-            details.append(
-                f"{moe.name} -> {node.name}: {lowering.form}, group {lowering.group_name or '-'} "
-                f"x{lowering.group_size}, {lowering.num_tokens} tokens, dispatch {lowering.dispatch}"
-            )
-        return self.finish(gm, forms, details, misses, "minimax.moe nodes")
+        return match_moe_collectives(moe, single_device=single, choose_dispatch=choose_dispatch)

@@ -9,13 +9,52 @@ collective whose result is not waited on.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
 
-from minimax_backend.patterns import find_collectives
+from .fx import is_op, op_arg, op_name
 
+C10D = "_c10d_functional"
 c10d = torch.ops._c10d_functional
+
+
+def is_collective(node: Any, kind: str | None = None) -> bool:
+    """A `_c10d_functional` collective (not `wait_tensor`); kind e.g. 'all_reduce'."""
+    name = op_name(node) if isinstance(node, fx.Node) else None
+    if name is None or not name.startswith(C10D + ".") or name == f"{C10D}.wait_tensor":
+        return False
+    return kind is None or name == f"{C10D}.{kind}"
+
+
+def collective_group(node: fx.Node) -> str | None:
+    """The process group name a collective runs on, else None."""
+    if not is_collective(node):
+        return None
+    g = op_arg(node, "group_name")
+    return g if isinstance(g, str) else None
+
+
+def wait_of(collective: fx.Node) -> fx.Node | None:
+    """The `wait_tensor` that consumes a collective (its only user in a functional graph)."""
+    waits = [u for u in collective.users if is_op(u, f"{C10D}.wait_tensor")]
+    return waits[0] if len(waits) == 1 else None
+
+
+def collective_of(wait: fx.Node, kind: str | None = None) -> fx.Node | None:
+    """The collective a `wait_tensor` waits on (optionally of one kind), else None."""
+    if not is_op(wait, f"{C10D}.wait_tensor"):
+        return None
+    src = wait.args[0]
+    return src if is_collective(src, kind) else None
+
+
+def find_collectives(graph: fx.Graph, kind: str | None = None) -> Iterable[tuple[fx.Node, fx.Node | None]]:
+    """(collective, wait) pairs in graph order."""
+    for n in graph.nodes:
+        if is_collective(n, kind):
+            yield n, wait_of(n)
 
 
 @dataclass

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from . import is_collective, is_op, op_name, set_fake_val, val, wait_of
+from .fx import is_op, op_name, set_fake_val, val
+
+from .collectives import is_collective, wait_of
 
 aten = torch.ops.aten
 

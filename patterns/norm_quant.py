@@ -1,5 +1,5 @@
-"""RMSNorm -> FP8 quantization in the functional ATen graph: the search side
-of the fuse_norm_quant pass (graph_passes/fuse_norm_quant.py does the rewrite).
+"""RMSNorm -> FP8 quantization in the functional ATen graph, and its fusion into
+minimax::rms_norm_quant_fp8 (the fuse_norm_quant pass: graph_passes/fuse_norm_quant.py).
 
 What the model's RMSNorm (model/layers.py) becomes after AOT tracing with
 Inductor's decompositions, x of dtype D (bfloat16 in the served model):
@@ -19,7 +19,9 @@ users and sorts them into quantizations reached locally, quantizations
 reached through a gather, and everything else (consumers that need the
 norm output itself, e.g. the MoE router or the residual stream).
 
-Nothing here changes the graph.
+``match_norm_quant(node, fp8_allgather)`` decides, per RMSNorm, what one fused
+kernel can take over; ``NormQuantFusion.replace`` rewrites it (the pass's
+docstring lists the cases).
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from . import is_op, op_arg, val, wait_of
+from .collectives import wait_of
+from .fx import is_op, op_arg, set_fake_val, val
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+c10d = torch.ops._c10d_functional
 
 QUANT = "minimax.quantize_fp8"
 FUSED = "minimax.rms_norm_quant_fp8"
@@ -345,3 +349,184 @@ def follows_a_norm(q: fx.Node, depth: int = 4) -> bool:
             return True
         todo.extend((a, d + 1) for a in n.all_input_nodes)
     return False
+
+
+# ------------------------------------------------------------------ the fusion
+@dataclass
+class NormQuantFusion:
+    """One RMSNorm and the quantizations one fused kernel takes over; `replace()` rewrites them.
+
+    local        quantizations reached without a collective
+    fp8_gathers  gathers (fp8_allgather) whose consumers are all quantizations: the kernel
+                 runs on the shard and FP8 data + scales are gathered
+    kept         gathers left in BF16 (quantized after the gather), with `kept_notes` saying why
+    """
+
+    norm: RMSNormMatch
+    local: list[QuantSite]
+    fp8_gathers: list[GatherSite]
+    kept: list[GatherSite]
+    kept_notes: list[str]
+    group: int
+
+    @property
+    def fuses(self) -> bool:
+        return bool(self.local or self.fp8_gathers)
+
+    def replace(self, graph: fx.Graph, fake_mode=None) -> "FusionDone":
+        return _Fuser(graph, fake_mode).fuse(self)
+
+
+@dataclass(frozen=True)
+class FusionDone:
+    node: fx.Node  # the minimax.rms_norm_quant_fp8 node
+    kind: str  # fused | fused_with_bf16_output (other readers keep the BF16 output) | fp8_allgather
+    with_residual_add: bool
+    description: str
+    needs_toposort: bool  # an input of the kernel came after the place it was put
+
+
+def match_norm_quant(node: fx.Node, fp8_allgather: bool) -> NormQuantFusion | None:
+    """The fusion anchored at the RMSNorm whose output is `node`, or None (not a norm, or a
+    norm that feeds no FP8 quantization: a BF16 linear, the QK norms, lm_head)."""
+    match = match_rms_norm(node)
+    if match is None:
+        return None
+    uses = find_quant_sites(match.output)
+    groups = [s.group_size for s in uses.quants] + [s.group_size for gs in uses.gathers for s in gs.quants]
+    if not groups:
+        return None
+    group = groups[0]
+    local = [s for s in uses.quants if s.group_size == group]
+    fp8_gathers, kept, notes = [], [], []
+    for gs in uses.gathers:
+        if not gs.quants:
+            continue  # a gather of the BF16 output with no quantization behind it
+        if fp8_allgather and not gs.others and all(s.group_size == group for s in gs.quants):
+            fp8_gathers.append(gs)
+        else:
+            kept.append(gs)
+            why = ("fp8_allgather is off" if not fp8_allgather else
+                   "consumers after the gather also read BF16 (" +
+                   ", ".join(o.name for o in gs.others[:3]) + ")" if gs.others else
+                   "mixed group sizes after the gather")
+            notes.append(f"{match.output.name}: kept BF16 in front of {gs.gather.name}, quantized after it ({why})")
+    return NormQuantFusion(match, local, fp8_gathers, kept, notes, group)
+
+
+class _Fuser:
+    """The rewrite of one NormQuantFusion (new nodes get their fake values as they are made)."""
+
+    def __init__(self, graph: fx.Graph, fake_mode):
+        self.graph, self.fake_mode = graph, fake_mode
+
+    def _call(self, target, args, kwargs=None) -> fx.Node:
+        n = self.graph.call_function(target, tuple(args), kwargs or {})
+        set_fake_val(n, self.fake_mode)
+        return n
+
+    def _reshaped(self, src: fx.Node, shape) -> fx.Node:
+        if tuple(val(src).shape) == tuple(shape):
+            return src
+        return self._call(aten.view.default, (src, list(shape)))
+
+    def _replace_quant(self, site: QuantSite, q: fx.Node, s: fx.Node) -> None:
+        """Make the readers of site.quant's (data, scales) read q / s, reshaped like the site."""
+        shape = tuple(val(site.quant.args[0]).shape)
+        groups = shape[-1] // site.group_size
+        outs = {}
+        for g in list(site.quant.users):
+            idx = g.args[1]
+            if idx not in outs:
+                outs[idx] = self._reshaped(q, shape) if idx == 0 else self._reshaped(s, (*shape[:-1], groups))
+            g.replace_all_uses_with(outs[idx])
+
+    def _erase_dead(self, nodes) -> None:
+        """Erase the given nodes that nothing reads any more (repeat until stable)."""
+        alive = [n for n in nodes if n is not None]
+        changed = True
+        while changed:
+            changed = False
+            for n in list(alive):
+                if not n.users and not getattr(n, "_erased", False):
+                    self.graph.erase_node(n)
+                    alive.remove(n)
+                    changed = True
+
+    def fuse(self, f: NormQuantFusion) -> FusionDone:
+        graph, match, group = self.graph, f.norm, f.group
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        residual = match.residual
+        if residual is not None:
+            x, res = residual[1], residual[0]  # h = res + x: the residual stream plus the new output
+            anchor = match.x
+        else:
+            x, res = match.x, None
+            anchor = min(match.nodes, key=order.__getitem__)
+        inputs = [a for a in (x, res, match.weight) if isinstance(a, fx.Node)]
+        needs_toposort = any(order[a] >= order[anchor] for a in inputs)
+
+        with graph.inserting_before(anchor):
+            fused = self._call(torch.ops.minimax.rms_norm_quant_fp8.default,
+                               (x, res, match.weight, match.eps, match.gemma, group, False))
+            q = self._call(operator.getitem, (fused, 0))
+            s = self._call(operator.getitem, (fused, 1))
+            for site in f.local:
+                self._replace_quant(site, q, s)
+            for gs in f.fp8_gathers:
+                self._gather_fp8(gs, q, s)
+
+        dead: list[fx.Node] = []
+        for site in f.local:
+            dead += [site.quant, *reversed(site.chain)]
+        for gs in f.fp8_gathers:
+            for site in gs.quants:
+                dead += [site.quant, *reversed(site.chain)]
+            dead += [gs.row_slice, gs.wait, gs.gather, *reversed(gs.pre_chain)]
+        self._erase_dead([u for site in f.local for u in site.quant.users] +
+                         [u for gs in f.fp8_gathers for site in gs.quants for u in site.quant.users] + dead)
+
+        want_y = len(match.output.users) > 0
+        y = None
+        if want_y:
+            fused.update_arg(6, True)
+            set_fake_val(fused, self.fake_mode)
+            with graph.inserting_after(s):
+                y = self._call(operator.getitem, (fused, 2))
+            match.output.replace_all_uses_with(y)
+        if residual is not None:
+            with graph.inserting_after(s):
+                r = self._call(operator.getitem, (fused, 3))
+            match.x.replace_all_uses_with(r, delete_user_cb=lambda u: u is not fused)
+        self._erase_dead(list(reversed(match.nodes)) + ([match.x] if residual is not None else []))
+
+        n_q = len(f.local) + sum(len(gs.quants) for gs in f.fp8_gathers)
+        extras = [f"{n_q} quantization(s), G={group}"]
+        if want_y:
+            extras.append("BF16 output kept for " + ", ".join(u.name for u in list(y.users)[:3]))
+        if residual is not None:
+            extras.append("residual add fused")
+        if f.fp8_gathers:
+            extras.append(f"FP8 data + scales gathered ({len(f.fp8_gathers)} gather(s))")
+        kind = "fp8_allgather" if f.fp8_gathers else ("fused_with_bf16_output" if want_y else "fused")
+        return FusionDone(fused, kind, residual is not None, f"{match.output.name} -> {fused.name}: " + "; ".join(extras),
+                          needs_toposort)
+
+    def _gather_fp8(self, gs: GatherSite, q: fx.Node, s: fx.Node) -> None:
+        """Gather the shard's FP8 data (as bytes) and scales; slice the padding; feed the quant sites."""
+        shard_shape = tuple(val(gs.gather.args[0]).shape)  # [T / tp, K]
+        k = shard_shape[-1]
+        groups = k // gs.quants[0].group_size
+        q2 = self._reshaped(q, shard_shape)
+        s2 = self._reshaped(s, (shard_shape[0], groups))
+        q_bytes = self._call(aten.view.dtype, (q2, torch.uint8))
+        ag_q = self._call(c10d.all_gather_into_tensor.default, (q_bytes, gs.world, gs.group_name))
+        ag_s = self._call(c10d.all_gather_into_tensor.default, (s2, gs.world, gs.group_name))
+        q_full = self._call(aten.view.dtype, (self._call(c10d.wait_tensor.default, (ag_q,)), torch.float8_e4m3fn))
+        s_full = self._call(c10d.wait_tensor.default, (ag_s,))
+        if gs.row_slice is not None:
+            rest = tuple(gs.row_slice.args[1:])
+            q_full = self._call(aten.slice.Tensor, (q_full, *rest))
+            s_full = self._call(aten.slice.Tensor, (s_full, *rest))
+        for site in gs.quants:
+            self._replace_quant(site, q_full, s_full)

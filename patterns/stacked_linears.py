@@ -25,8 +25,9 @@ import torch.fx as fx
 from minimax_backend.kernels.fp8 import WEIGHT_BLOCK
 from minimax_backend.kernels.stacked_gemm import rows_are_stacked
 
-from . import is_op, set_fake_val, val
-from .moe import LinearMatch, Mismatch, match_linear
+from .fx import is_op, set_fake_val, val
+from .fx import Mismatch
+from .linears import LinearMatch, match_linear
 
 aten = torch.ops.aten
 

@@ -11,7 +11,7 @@ import minimax_backend.graph_passes as gp
 from minimax_backend.graph_passes import backend as backend_mod
 from minimax_backend.graph_passes import manager as manager_mod
 from minimax_backend.graph_passes.base import GraphPass, PassError, PassWarning
-from minimax_backend.patterns import is_op
+from minimax_backend.patterns.fx import is_op
 
 
 class Mlp(torch.nn.Module):
@@ -54,7 +54,7 @@ def _pass_error(e: BaseException) -> PassError | None:
 
 
 def _register(registry, name, **attrs):
-    cls = type(f"Dummy_{name}", (GraphPass,), {"name": name, "switch": name, **attrs})
+    cls = type(f"Dummy_{name}", (GraphPass,), {"name": name, **attrs})
     gp.register_pass(cls, replace=True)
     return cls
 
@@ -127,7 +127,7 @@ def test_non_strict_warns_and_still_runs(registry, caplog):
 
 
 def test_auto_rule_reason_is_recorded(registry, caplog):
-    _register(registry, "moe_lower", auto_rule=lambda self, ctx: "needs expert parallelism", apply=_count_mm)
+    _register(registry, "moe_lower", auto_rule=lambda self, gm, ctx: "needs expert parallelism", apply=_count_mm)
     with caplog.at_level(logging.INFO, logger="minimax"):
         gp.compile(Mlp(), codegen="fx", strict=True)(*_inputs())
     rec = {p["name"]: p for p in gp.last_compile_report()["passes"]}["moe_lower"]

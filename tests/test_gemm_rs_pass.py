@@ -11,9 +11,10 @@ import operator
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from pass_harness import run_pass
 
 from minimax_backend.graph_passes.base import PassContext, PassError, PassWarning
 from minimax_backend.graph_passes.config import BackendConfig
@@ -37,10 +38,7 @@ def _rs(y, fake_tp2, tokens, tp=2):
 
 
 def _run(gm, **options):
-    config = BackendConfig(**options)
-    ctx = PassContext(config=config, tp_size=2)
-    p = GemmReduceScatterPass(config)
-    return p, p.apply(gm, ctx), ctx
+    return run_pass("gemm_reduce_scatter", gm, PassContext(config=BackendConfig(), tp_size=2), **options)
 
 
 def _gemm_rs_nodes(gm):
@@ -59,7 +57,7 @@ def test_bf16_linear_pad_and_reduce_scatter_become_one_op(fake_tp2, tokens, pad)
         torch.randn(tokens, K, dtype=torch.bfloat16), _weights()[0])
     before = op_counts(gm)
     assert before["aten.mm"] == before[RS] == 1 and before.get("aten.constant_pad_nd", 0) == (1 if pad else 0)
-    _, res, _ = _run(gm)
+    res = _run(gm)
     after = op_counts(gm)
     assert res.matches == 1 and res.breakdown == {"bf16": 1, "fp8": 0, "fp8_prequantized": 0}
     # The matmul, the weight's transpose, the pad, the reduce-scatter and its wait are all gone.
@@ -75,7 +73,7 @@ def test_addmm_bias_is_carried(fake_tp2):
     gm = make_fx(lambda x, w, b: _rs(F.linear(x, w, b), fake_tp2, 7), tracing_mode="fake")(
         torch.randn(7, K), torch.randn(N, K), torch.randn(N))
     assert op_counts(gm)["aten.addmm"] == 1
-    _, res, _ = _run(gm)
+    res = _run(gm)
     (node,) = _gemm_rs_nodes(gm)
     assert res.matches == 1 and node.args[4].op == "placeholder"  # the bias
     assert op_counts(gm) == {GEMM_RS: 1}
@@ -89,7 +87,7 @@ def test_fp8_quantized_right_before(fake_tp2):
         return _rs(torch.ops.minimax.fp8_block_gemm(q, s, wq, ws, torch.bfloat16), fake_tp2, 7)
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(7, K, dtype=torch.bfloat16), wq, ws)
-    _, res, _ = _run(gm)
+    res = _run(gm)
     assert res.breakdown == {"bf16": 0, "fp8": 1, "fp8_prequantized": 0}
     assert op_counts(gm) == {GEMM_RS: 1, "minimax.quantize_fp8": 1, "operator.getitem": 2}
     (node,) = _gemm_rs_nodes(gm)
@@ -105,7 +103,7 @@ def test_fp8_input_quantized_upstream(fake_tp2):
     f = lambda xq, xs, wq, ws: _rs(torch.ops.minimax.fp8_block_gemm(xq, xs, wq, ws, torch.bfloat16), fake_tp2, 7)  # noqa: E731
     xq = torch.randn(7, K).to(torch.float8_e4m3fn)
     gm = make_fx(f, tracing_mode="fake")(xq, torch.ones(7, K // 128), wq, ws)
-    _, res, _ = _run(gm)
+    res = _run(gm)
     assert res.breakdown == {"bf16": 0, "fp8": 0, "fp8_prequantized": 1}
     (node,) = _gemm_rs_nodes(gm)
     assert [a.op for a in node.args[:4]] == ["placeholder"] * 4
@@ -119,11 +117,11 @@ def test_matmul_used_elsewhere_is_left_alone(fake_tp2):
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(7, K), torch.randn(N, K))
     before = op_counts(gm)
-    p, res, ctx = _run(gm)
+    res = _run(gm)
     assert res.matches == 0 and op_counts(gm) == before
     assert "also used by" in " ".join(res.details) and "fed by a matmul that only feeds it" in res.skipped
     # A matmul does feed a reduce-scatter, so fusing nothing is a miss: strict fails, else it warns.
-    assert p.expects_matches(ctx)
+    assert res.expected
     strict = BackendConfig(strict=True)
     with pytest.raises(PassError, match="gemm_reduce_scatter"):
         PassManager(strict, order=("gemm_reduce_scatter",)).run(gm, PassContext(config=strict, tp_size=2))
@@ -134,11 +132,11 @@ def test_matmul_used_elsewhere_is_left_alone(fake_tp2):
 def test_view_that_keeps_the_shape_is_fine_a_reshape_is_not(fake_tp2):
     ok = make_fx(lambda x, w: _rs(F.linear(x, w).view(7, N), fake_tp2, 7), tracing_mode="fake")(
         torch.randn(7, K), torch.randn(N, K))
-    assert _run(ok)[1].matches == 1 and op_counts(ok) == {GEMM_RS: 1}
+    assert _run(ok).matches == 1 and op_counts(ok) == {GEMM_RS: 1}
 
     bad = make_fx(lambda x, w: _rs(F.linear(x, w).reshape(14, N // 2), fake_tp2, 14), tracing_mode="fake")(
         torch.randn(7, K), torch.randn(N, K))
-    res = _run(bad)[1]
+    res = _run(bad)
     assert res.matches == 0 and "reshaped" in " ".join(res.details)
 
 
@@ -146,16 +144,16 @@ def test_sum_of_partials_is_not_fused(fake_tp2):
     """The MoE's reduce-scatter is fed by routed experts + shared expert: not one matmul."""
     f = lambda x, w1, w2: _rs(F.linear(x, w1) + F.linear(x, w2), fake_tp2, 7)  # noqa: E731
     gm = make_fx(f, tracing_mode="fake")(torch.randn(7, K), torch.randn(N, K), torch.randn(N, K))
-    p, res, ctx = _run(gm)
+    res = _run(gm)
     assert res.matches == 0 and "sum of partials" in res.details[0]
-    assert not p.expects_matches(ctx)  # nothing here was fusable: not a failure
+    assert not res.expected  # nothing here was fusable: not a failure
 
 
 def test_no_reduce_scatter_skips_with_a_reason(fake_tp2):
     f = lambda x, w: c10d.wait_tensor(c10d.all_reduce(F.linear(x, w), "sum", fake_tp2))  # noqa: E731
     gm = make_fx(f, tracing_mode="fake")(torch.randn(7, K), torch.randn(N, K))
-    p, res, ctx = _run(gm)
-    assert res.matches == 0 and "no reduce-scatter" in res.skipped and not p.expects_matches(ctx)
+    res = _run(gm)
+    assert res.matches == 0 and "no reduce-scatter" in res.skipped and not res.expected
     strict = BackendConfig(strict=True, gemm_reduce_scatter="on")
     results = PassManager(strict, order=("gemm_reduce_scatter",)).run(gm, PassContext(config=strict, tp_size=2))
     assert results[0].enabled and results[0].matches == 0  # no PassError
@@ -163,12 +161,13 @@ def test_no_reduce_scatter_skips_with_a_reason(fake_tp2):
 
 def test_threshold_comes_from_the_config(fake_tp2):
     gm = make_fx(lambda x, w: _rs(F.linear(x, w), fake_tp2, 7), tracing_mode="fake")(torch.randn(7, K), torch.randn(N, K))
-    p, res, _ = _run(gm, gemm_rs_min_tokens=77)
+    res = _run(gm, gemm_rs_min_tokens=77)
     (node,) = _gemm_rs_nodes(gm)
     assert node.args[6] == 77
     assert "min_tokens 77" in res.details[-1]
     # The threshold is part of the pass's identity (compile cache).
-    assert p.uuid() != GemmReduceScatterPass(BackendConfig(gemm_rs_min_tokens=78)).uuid()
+    p77 = GemmReduceScatterPass(BackendConfig(gemm_rs_min_tokens=77))
+    assert p77.uuid() != GemmReduceScatterPass(BackendConfig(gemm_rs_min_tokens=78)).uuid()
 
 
 @pytest.mark.parametrize("options, tp, enabled, reason", [
@@ -179,7 +178,7 @@ def test_threshold_comes_from_the_config(fake_tp2):
 ])
 def test_switch(options, tp, enabled, reason):
     config = BackendConfig(**options)
-    on, why = GemmReduceScatterPass(config).decide(PassContext(config=config, tp_size=tp))
+    on, why = GemmReduceScatterPass(config).decide(None, PassContext(config=config, tp_size=tp))
     assert on is enabled and (reason is None or reason in why)
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 import minimax_backend.graph_passes as gp
+from pass_harness import run_pass
 from conftest import tiny_m2_config, tiny_m3_config
 from minimax_backend.graph_passes import backend as backend_mod
 from minimax_backend.graph_passes.base import PassContext, PassError, PassWarning
@@ -30,7 +31,7 @@ from minimax_backend.graph_passes.moe_canonicalize import MoECanonicalizePass
 from minimax_backend.graph_passes.moe_lower import MoELowerPass
 from minimax_backend.graph_passes.op_counts import op_counts
 from minimax_backend.graph_passes.sequence_parallel import SequenceParallelPass
-from minimax_backend.patterns import set_fake_val
+from minimax_backend.patterns.fx import set_fake_val
 
 MOE, MEGA = "minimax.moe", "minimax.mega_moe"
 AG = "_c10d_functional.all_gather_into_tensor"
@@ -85,15 +86,13 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _nodes(gm, name):
-    from minimax_backend.patterns import op_name
+    from minimax_backend.patterns.fx import op_name
 
     return [n for n in gm.graph.nodes if op_name(n) == name]
 
 
 def _run(pass_cls, gm, **config):
-    cfg = BackendConfig(**config)
-    ctx = PassContext.from_graph(cfg, gm)
-    return pass_cls(cfg).apply(gm, ctx)
+    return run_pass(pass_cls.name, gm, **config)
 
 
 def _mega_flags(node):

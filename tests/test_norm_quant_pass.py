@@ -24,7 +24,7 @@ from minimax_backend.graph_passes.fuse_norm_quant import NO_FP8, NO_NORM_QUANT, 
 from minimax_backend.graph_passes.manager import run_passes
 from minimax_backend.graph_passes.meta_refresh import refresh_fake_meta
 from minimax_backend.graph_passes.op_counts import op_counts
-from minimax_backend.graph_passes.sequence_parallel_rewrite import shard_residual_stream
+from minimax_backend.patterns.sequence_parallel import shard_residual_stream
 from minimax_backend.kernels.fp8 import quantize_weight_fp8
 
 AG = "_c10d_functional.all_gather_into_tensor"
@@ -106,7 +106,7 @@ def run_pass(gm, tp: int = 1, **options):
 
 
 def nodes(gm, name):
-    from minimax_backend.patterns import op_name
+    from minimax_backend.patterns.fx import op_name
 
     return [n for n in gm.graph.nodes if op_name(n) == name]
 
@@ -298,8 +298,7 @@ def test_bf16_graph_has_nothing_to_fuse_and_is_no_failure(fake_tp2):
     res = run_pass(gm)  # forced on, strict: still no error
     assert res.matches == 0 and res.skipped == NO_FP8
     config = BackendConfig()
-    ctx = PassContext(config=config, shared={"graph_module": gm})
-    assert FuseNormQuantPass(config).decide(ctx) == (False, "auto: " + NO_FP8)
+    assert FuseNormQuantPass(config).decide(gm, PassContext(config=config)) == (False, "auto: " + NO_FP8)
 
 
 def test_quantize_without_a_norm_in_front_is_no_failure():
@@ -323,10 +322,10 @@ def test_unrecognized_norm_before_a_quantize_is_a_strict_failure():
 
 def test_auto_rule_and_record_line(fake_tp2):
     config = BackendConfig()
-    assert FuseNormQuantPass(config).decide(PassContext(config=config)) == (True, None)
-    off = BackendConfig(fuse_norm_quant="off")
-    assert FuseNormQuantPass(off).decide(PassContext(config=off))[0] is False
     gm = trace(toy(fake_tp2, 1), toy_args(8))
+    assert FuseNormQuantPass(config).decide(gm, PassContext(config=config)) == (True, None)
+    off = BackendConfig(fuse_norm_quant="off")
+    assert FuseNormQuantPass(off).decide(gm, PassContext(config=off))[0] is False
     res = run_pass(gm)
     line = res.summary()
     assert line.startswith("minimax: fuse_norm_quant matched 2 (fused 1, fused_with_bf16_output 1, "

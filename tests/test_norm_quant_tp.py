@@ -71,7 +71,7 @@ def _toy_rank(rank: int, world: int, tokens: int):
 
     from minimax_backend.graph_passes.meta_refresh import refresh_fake_meta
     from minimax_backend.graph_passes.op_counts import op_counts
-    from minimax_backend.graph_passes.sequence_parallel_rewrite import shard_residual_stream
+    from minimax_backend.patterns.sequence_parallel import shard_residual_stream
 
     group = dist.group.WORLD.group_name
     c10d = torch.ops._c10d_functional

@@ -5,18 +5,14 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from minimax_backend.graph_passes.base import PassContext
-from minimax_backend.graph_passes.cleanup import CleanupPass
-from minimax_backend.graph_passes.config import BackendConfig
-from minimax_backend.patterns import op_name
+from pass_harness import run_pass
+
+from minimax_backend.patterns.fx import op_name
 
 
 def _run(f, *args):
     gm = make_fx(f, tracing_mode="fake")(*args)
-    cfg = BackendConfig()
-    res = CleanupPass(cfg).apply(gm, PassContext(config=cfg))
-    gm.graph.lint()
-    gm.recompile()
+    res = run_pass("cleanup", gm)
     return gm, res, [op_name(n) for n in gm.graph.nodes if n.op == "call_function"]
 
 
@@ -31,7 +27,7 @@ def test_dead_code_and_noop_views_removed():
     assert res.matches == 4 and res.graph_changed
     assert res.breakdown == {"no-op view": 2, "dead": 2}
     assert ops == ["aten.relu", "aten.view"]
-    assert not CleanupPass(BackendConfig()).expects_matches(PassContext(config=BackendConfig()))
+    assert not res.expected  # removing nothing is never a miss
 
 
 def test_keeps_mutations_and_layout_changes():
@@ -52,9 +48,8 @@ def test_numerics_unchanged():
     x, w = torch.randn(3, 4), torch.randn(4, 5)
     gm = make_fx(f)(x, w)
     ref = gm(x, w)
-    cfg = BackendConfig()
     # real-tensor make_fx still records meta["val"]
-    assert CleanupPass(cfg).apply(gm, PassContext(config=cfg)).matches == 2
+    assert run_pass("cleanup", gm).matches == 2
     gm.recompile()
     torch.testing.assert_close(gm(x, w), ref)
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from pass_harness import run_pass
 
 from minimax_backend.graph_passes.base import PassContext, PassError
 from minimax_backend.graph_passes.config import BackendConfig
@@ -20,7 +21,7 @@ from minimax_backend.graph_passes.manager import PassManager
 from minimax_backend.graph_passes.meta_refresh import refresh_fake_meta
 from minimax_backend.graph_passes.op_counts import op_counts
 from minimax_backend.graph_passes.sequence_parallel import SequenceParallelPass
-from minimax_backend.graph_passes.sequence_parallel_rewrite import NotRecognized, shard_residual_stream
+from minimax_backend.patterns.sequence_parallel import NotRecognized, shard_residual_stream
 
 AG = "_c10d_functional.all_gather_into_tensor"
 AR = "_c10d_functional.all_reduce"
@@ -160,7 +161,7 @@ def test_unrecognized_graph_is_left_alone(fake_tp2):
     assert op_counts(gm) == before
 
     ctx = PassContext(config=BackendConfig(sequence_parallel="on"), tp_size=2)
-    result = SequenceParallelPass(ctx.config).apply(gm, ctx)
+    result = run_pass("sequence_parallel", gm, ctx, sequence_parallel="on")
     assert result.matches == 0 and "not recognized" in result.skipped
     strict = BackendConfig(sequence_parallel="on", strict=True)
     with pytest.raises(PassError, match="sequence_parallel is forced on"):
@@ -192,7 +193,7 @@ def test_graph_without_collectives_is_not_recognized():
 def test_auto_rule_and_overrides(options, tp, ep, tokens, enabled, reason):
     config = BackendConfig.from_options(options)
     ctx = PassContext(config=config, tp_size=tp, ep_size=ep, pp_size=config.pp_size, num_tokens=tokens)
-    on, why = SequenceParallelPass(config).decide(ctx)
+    on, why = SequenceParallelPass(config).decide(None, ctx)
     assert on is enabled
     if reason:
         assert reason in why
@@ -204,6 +205,6 @@ def test_context_reads_the_token_count_and_auto_applies_the_floor(fake_tp2, toke
     config = BackendConfig(tp_size=2, ep_size=2)
     ctx = PassContext.from_graph(config, gm)
     assert ctx.num_tokens == tokens
-    on, why = SequenceParallelPass(config).decide(ctx)
+    on, why = SequenceParallelPass(config).decide(gm, ctx)
     assert on is (tokens >= config.sequence_parallel_min_tokens), why
     assert PassContext.from_graph(config, make_fx(lambda x: x @ x)(torch.randn(4, 4))).num_tokens is None

@@ -1,4 +1,4 @@
-"""The graph rewrite behind the sequence-parallel pass.
+"""The residual stream of a tensor-parallel model graph, and its sequence-parallel rewrite.
 
 Tensor parallelism leaves the residual stream replicated: every row-parallel
 projection (o_proj, the dense down_proj, the MoE's summed partials, the
@@ -16,6 +16,9 @@ parallelism keeps the stream split by token instead:
 
 reduce-scatter + all-gather computes what all-reduce did, and token-wise ops
 commute with splitting rows, so the rewrite is exact up to summation order.
+
+Search side: ``find_residual_stream(graph)`` (raises ``NotRecognized`` with the
+reason for a graph it does not know); replace side: ``ResidualStream.replace``.
 """
 
 from __future__ import annotations
@@ -27,14 +30,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from minimax_backend.patterns.collectives import (
-    Collective,
-    find_all_reduces,
-    group_size,
-    insert_all_gather,
-    insert_reduce_scatter,
-)
-from minimax_backend.patterns.token_wise import broadcasts_over_tokens, is_token_wise
+from .collectives import Collective, find_all_reduces, group_size, insert_all_gather, insert_reduce_scatter
+from .fx import stable_toposort, tensor_val
+from .token_wise import broadcasts_over_tokens, is_token_wise
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -70,13 +68,8 @@ class ShardingRecord:
         return lines
 
 
-def _val(node: fx.Node):
-    v = node.meta.get("val")
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _nbytes(node: fx.Node) -> int:
-    v = _val(node)
+    v = tensor_val(node)
     return v.numel() * v.element_size() if v is not None else 0
 
 
@@ -90,7 +83,7 @@ def residual_all_reduces(graph: fx.Graph) -> tuple[list[Collective], int, int, s
     found = find_all_reduces(graph)
     if not found:
         raise NotRecognized("no all-reduce in the graph: nothing is tensor-parallel here")
-    first = _val(found[0].input)
+    first = tensor_val(found[0].input)
     if first is None or first.dim() != 2:
         raise NotRecognized(
             f"the first all-reduce ({found[0].start.name}) is not a 2-D [tokens, hidden] tensor "
@@ -99,7 +92,7 @@ def residual_all_reduces(graph: fx.Graph) -> tuple[list[Collective], int, int, s
     tokens, hidden = first.shape
     if not isinstance(tokens, int) or not isinstance(hidden, int):
         raise NotRecognized("the token count is symbolic; sequence parallelism needs static shapes (dynamic=False)")
-    stream = [c for c in found if (v := _val(c.input)) is not None and tuple(v.shape) == (tokens, hidden)]
+    stream = [c for c in found if (v := tensor_val(c.input)) is not None and tuple(v.shape) == (tokens, hidden)]
     groups = {c.group_name for c in stream}
     if len(groups) != 1:
         raise NotRecognized(f"residual all-reduces span several process groups: {sorted(groups)}")
@@ -129,7 +122,7 @@ def _token_wise_on_shards(node: fx.Node, sharded: set[fx.Node]) -> bool:
     """Can `node` run on the token shards of its sharded inputs as is?"""
     if not is_token_wise(node):
         return False
-    ndim = max(_val(a).dim() for a in node.all_input_nodes if a in sharded and _val(a) is not None)
+    ndim = max(tensor_val(a).dim() for a in node.all_input_nodes if a in sharded and tensor_val(a) is not None)
     for a in node.all_input_nodes:
         if a not in sharded and not broadcasts_over_tokens(a, ndim):
             return False  # a full-token operand would need slicing per rank; gather instead
@@ -184,52 +177,26 @@ def _unpad(graph: fx.Graph, x: fx.Node, tokens: int, padded: int) -> fx.Node:
     return graph.call_function(aten.slice.Tensor, (x, 0, 0, tokens))
 
 
-def stable_toposort(graph: fx.Graph) -> None:
-    """Reorder nodes so every node follows its inputs, keeping the old order otherwise."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    placed, visiting, result = set(), set(), []
+@dataclass
+class ResidualStream:
+    """The [tokens, hidden] all-reduces of a model graph; `replace()` shards the stream."""
 
-    def place(n: fx.Node):
-        stack = [(n, False)]
-        while stack:
-            cur, ready = stack.pop()
-            if cur in placed:
-                continue
-            if ready:
-                placed.add(cur)
-                visiting.discard(cur)
-                result.append(cur)
-                continue
-            if cur in visiting:
-                raise RuntimeError(f"the rewrite made a cycle through {cur.format_node()}")
-            visiting.add(cur)
-            stack.append((cur, True))
-            for a in sorted(cur.all_input_nodes, key=order.__getitem__, reverse=True):
-                if a not in placed:
-                    stack.append((a, False))
+    all_reduces: list[Collective]
+    tokens: int
+    group: str
+    tp: int
 
-    for n in list(graph.nodes):
-        place(n)
-    output = [n for n in result if n.op == "output"]
-    anchor = None
-    for n in result:
-        if n.op == "output":
-            continue
-        if anchor is None:
-            first = next(iter(graph.nodes))
-            if first is not n:
-                first.prepend(n)
-        else:
-            anchor.append(n)
-        anchor = n
-    for o in output:
-        anchor.append(o)
+    def replace(self, graph: fx.Graph) -> ShardingRecord:
+        return _shard(graph, self.all_reduces, self.tokens, self.group, self.tp)
 
 
-def shard_residual_stream(graph: fx.Graph) -> ShardingRecord:
-    """Rewrite `graph` in place; raises NotRecognized (graph untouched) if it can't."""
-    stream, tokens, hidden, group = residual_all_reduces(graph)
-    tp = group_size(group)
+def find_residual_stream(graph: fx.Graph) -> ResidualStream:
+    """The graph's residual stream; raises NotRecognized (graph untouched) if it has none."""
+    stream, tokens, _, group = residual_all_reduces(graph)
+    return ResidualStream(stream, tokens, group, group_size(group))
+
+
+def _shard(graph: fx.Graph, stream: list[Collective], tokens: int, group: str, tp: int) -> ShardingRecord:
     padded = math.ceil(tokens / tp) * tp
     record = ShardingRecord(tokens=tokens, padded_tokens=padded, tp=tp)
 
@@ -289,7 +256,7 @@ def _gather_at_end(graph, sources, sharded, tokens, padded, tp, group) -> tuple[
     """One all-gather for every value the graph's end needs (per dtype), then split."""
     by_dtype: dict[torch.dtype, list[fx.Node]] = {}
     for s in sources:
-        by_dtype.setdefault(_val(s).dtype, []).append(s)
+        by_dtype.setdefault(tensor_val(s).dtype, []).append(s)
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = max(sources, key=order.__getitem__)
     # Who reads each source now; the nodes built below must not be rewired.
@@ -298,7 +265,7 @@ def _gather_at_end(graph, sources, sharded, tokens, padded, tp, group) -> tuple[
         with graph.inserting_after(last):
             flat, widths = [], []
             for s in group_sources:
-                shape = tuple(_val(s).shape)
+                shape = tuple(tensor_val(s).shape)
                 width = math.prod(shape[1:])
                 flat.append(graph.call_function(aten.view.default, (s, [padded // tp, width])) if len(shape) != 2 else s)
                 widths.append(width)
@@ -309,7 +276,7 @@ def _gather_at_end(graph, sources, sharded, tokens, padded, tp, group) -> tuple[
                 piece = full
                 if len(flat) > 1:
                     piece = graph.call_function(aten.slice.Tensor, (full, 1, offset, offset + width))
-                shape = tuple(_val(s).shape)
+                shape = tuple(tensor_val(s).shape)
                 if len(shape) != 2:
                     piece = graph.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
                     piece = graph.call_function(aten.view.default, (piece, [tokens, *shape[1:]]))
@@ -317,3 +284,8 @@ def _gather_at_end(graph, sources, sharded, tokens, padded, tp, group) -> tuple[
                 for u in readers[s]:
                     u.replace_input_with(s, piece)
     return len(by_dtype), len(sources)
+
+
+def shard_residual_stream(graph: fx.Graph) -> ShardingRecord:
+    """find_residual_stream + replace in one call (for tests and tools)."""
+    return find_residual_stream(graph).replace(graph)
