@@ -10,16 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from minimax_backend.model.checkpoint import (
-    INDEX_FILE,
-    SINGLE_FILE,
-    CheckpointError,
-    CheckpointReader,
-    hf_tensor_shape,
-    load_checkpoint,
-    save_model_as_checkpoint,
-    save_random_checkpoint,
-)
+from minimax_backend.model.checkpoint_format import INDEX_FILE, SINGLE_FILE, CheckpointError
+from minimax_backend.model.checkpoint_loader import load_checkpoint
+from minimax_backend.model.checkpoint_reader import CheckpointReader
+from minimax_backend.model.checkpoint_writer import hf_tensor_shape, save_model_as_checkpoint, save_random_checkpoint
 from minimax_backend.model.config import MiniMaxConfig
 from minimax_backend.model.presets import load_preset
 from minimax_backend.model.weights import LoadPlan, Shard, attach_plan, cols, plan, rows, whole

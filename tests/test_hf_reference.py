@@ -23,7 +23,7 @@ MiniMaxM2ForCausalLM = getattr(transformers, "MiniMaxM2ForCausalLM", None)
 if MiniMaxM2ForCausalLM is None:  # pragma: no cover
     pytest.skip(f"transformers {transformers.__version__} has no MiniMaxM2ForCausalLM", allow_module_level=True)
 
-from minimax_backend.model.checkpoint import load_checkpoint  # noqa: E402
+from minimax_backend.model.checkpoint_loader import load_checkpoint  # noqa: E402
 from minimax_backend.model.config import MiniMaxConfig  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5

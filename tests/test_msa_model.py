@@ -88,7 +88,7 @@ def hf_m3(tmp_path_factory):
 
 def _ours_on_reference(rank: int, world: int, ckpt: str, sparse: bool = True) -> dict[str, torch.Tensor]:
     """Our model from the transformers checkpoint on this rank: the reference's prefills and decode."""
-    from minimax_backend.model.checkpoint import load_checkpoint
+    from minimax_backend.model.checkpoint_loader import load_checkpoint
     from minimax_backend.model.config import MiniMaxConfig
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState

@@ -49,7 +49,7 @@ def default_checkpoint() -> Path:
     The folder name carries a hash of the preset, so editing the preset makes
     a new checkpoint instead of loading a stale one.
     """
-    from minimax_backend.model.checkpoint import save_random_checkpoint
+    from minimax_backend.model.checkpoint_writer import save_random_checkpoint
 
     config = load_config(DEFAULT_PRESET)
     digest = hashlib.sha256(json.dumps(config.to_hf_dict(), sort_keys=True, default=str).encode()).hexdigest()[:10]
@@ -81,7 +81,7 @@ def _options(text: str | None) -> dict:
 
 
 def cmd_make_checkpoint(a) -> None:
-    from minimax_backend.model.checkpoint import save_random_checkpoint
+    from minimax_backend.model.checkpoint_writer import save_random_checkpoint
 
     config = load_config(a.config)
     save_random_checkpoint(config, Path(a.out), seed=a.seed, fp8=a.fp8 or config.is_fp8)

@@ -114,7 +114,7 @@ def run_job(rank: int, world_size: int, args: RunArgs) -> None:
     from minimax_backend.graph_passes.backend import compile_reports, last_compile_report
     from minimax_backend.graph_passes.config import BackendConfig
     from minimax_backend.graph_passes.bucketing import BucketedRunner, padded_length
-    from minimax_backend.model.checkpoint import load_checkpoint
+    from minimax_backend.model.checkpoint_loader import load_checkpoint
     from minimax_backend.model.config import MiniMaxConfig
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState
