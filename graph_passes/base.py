@@ -245,9 +245,12 @@ class CandidatePass(GraphPass):
         kinds: Counter = Counter()
         details, misses = [], []
         for node in nodes:
+            if getattr(node, "_erased", False):  # taken by an earlier candidate's replace()
+                continue
             name = node.name
             try:
                 m = self.match(node, ctx)
+                description = m.describe()  # before replace(), which may erase what it reads
                 new = m.replace(gm.graph, ctx.fake_mode)
             except Mismatch as e:
                 misses.append(f"{name} left alone: {e}")
@@ -256,7 +259,7 @@ class CandidatePass(GraphPass):
                 misses.append(f"{name} left alone: matcher error {type(e).__name__}: {e}")
                 continue
             kinds[m.kind] += 1
-            details.append(f"{name} -> {new.name}: {m.describe()}")
+            details.append(f"{name} -> {new.name}: {description}")
         matches = sum(kinds.values())
         skipped = "; ".join(misses) if misses else None
         if misses and matches:
