@@ -43,17 +43,12 @@ class BackendConfig:
     gemm_reduce_scatter: str = _pass_switch("matmul + reduce-scatter -> one overlapped op")
     moe_lower: str = _pass_switch("minimax::moe -> MegaMoE (dispatch, expert GEMMs, combine)")
 
-    # Fused GEMM-RS only at or above this many tokens (matmul + RS below).
-    # Measured on 2 x H200, 2026-11-30 (tools/bench_gemm_rs.py, graphs of 10
-    # calls): ours beats matmul + NCCL reduce-scatter from M = 512 on at every
-    # K in {2048, 4096, 6144}, BF16 and FP8 (1.13-1.43x at 512; at 256 FP8
-    # K = 6144 was 0.94x), so the fused path is never slower from here on.
+    # Fused GEMM-RS only at or above this many tokens (matmul + RS below): from here on it
+    # was never slower at any K, BF16 or FP8 (docs/measurements/2026-11-30.md, "GEMM + reduce-scatter").
     gemm_rs_min_tokens: int = 512
-    # Sequence parallelism (auto) only at or above this many tokens. Measured on
-    # 2 x H200, 2026-11-30 (tools/bench_e2e.py): it cost 10% of a decode step at
-    # 16 tokens (4.33 vs 3.89 ms) and was neutral at 8192 (57.11 vs 57.18 ms);
-    # issue 4's benchmark saw 1.15x at 1024 with MoE layers. Sizes between 16
-    # and 1024 are not measured: off there until they are.
+    # Sequence parallelism (auto) only at or above this many tokens: below it, it cost time at
+    # decode sizes; sizes between 16 and 1024 are not measured, so off there until they are
+    # (docs/measurements/2026-11-30.md, "End to end").
     sequence_parallel_min_tokens: int = 1024
     # The FP8 format: 1 x 128 activation groups, 128 x 128 weight blocks (what Hopper's
     # kernels take). The only one implemented; MXFP8 (groups of 32) needs Blackwell.
