@@ -82,8 +82,9 @@ class MoE(nn.Module):
                                            ps.tp_rank, ps.tp_size, reduce_output=False,
                                            dtype=dtype, device=device, fp8=fp8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Router -> sigmoid -> top-k (biased choice) -> gather unbiased scores -> renorm -> scale.
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids, weights) [T, top_k]: router -> sigmoid -> top-k of the biased choice ->
+        the unbiased scores gathered -> renormalized -> scaled."""
         logits = F.linear(x.float(), self.gate.weight)
         scores = torch.sigmoid(logits)
         choice = scores + self.e_score_correction_bias if self.use_routing_bias else scores
@@ -91,7 +92,10 @@ class MoE(nn.Module):
         topk_weights = scores.gather(1, topk_ids)
         if self.norm_topk_prob:
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        topk_weights = topk_weights * self.routed_scaling_factor
+        return topk_ids, topk_weights * self.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = self.route(x)
 
         # Local experts (partial sums, float32 accumulation).
         out = x.new_zeros(x.shape, dtype=torch.float32)

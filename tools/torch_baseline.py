@@ -94,14 +94,7 @@ class GroupedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self.block
-        logits = torch.nn.functional.linear(x.float(), b.gate.weight)
-        scores = torch.sigmoid(logits)
-        choice = scores + b.e_score_correction_bias if b.use_routing_bias else scores
-        ids = torch.topk(choice, b.top_k, dim=-1, sorted=False).indices
-        w = scores.gather(1, ids)
-        if b.norm_topk_prob:
-            w = w / w.sum(dim=-1, keepdim=True)
-        w = w * b.routed_scaling_factor
+        ids, w = b.route(x)
         out = self.grouped(x, ids, w, b.first_expert, *self.act).to(x.dtype)
         if b.shared_experts is not None:
             out = out + b.shared_experts(x)
