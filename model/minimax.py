@@ -83,7 +83,7 @@ class MiniMaxForCausalLM(nn.Module):
     (or config.quant_method == "fp8") makes the attention, MLP and expert linears
     FP8 block-scaled (the indexer's projections too); embedding, norms, router, MTP eh_proj and lm_head
     stay in `dtype`. Weights are uninitialized: load a checkpoint through the
-    load plans (model/checkpoint.py) or call init_random_weights.
+    load plans (model/checkpoint_loader.py) or call init_random_weights.
     """
 
     def __init__(self, config: MiniMaxConfig, parallel_state: ParallelState | None = None,

@@ -13,7 +13,7 @@ Examples (TP 2, rank 1)::
     # fused QKV, column-parallel: three row slices, concatenated along dim 0
     LoadPlan((rows(q, 512, 512), rows(k, 128, 128), rows(v, 128, 128)))
 
-The loader (model/checkpoint.py) reads exactly these slices with safetensors'
+The loader (model/checkpoint_loader.py) reads exactly these slices with safetensors'
 ``get_slice`` and never materializes a whole tensor a rank does not need; the
 random-checkpoint writer builds the model at TP 1 and writes each piece back
 under its name (splitting fused tensors).

@@ -5,7 +5,7 @@ References no one here wrote: `MiniMaxM2ForCausalLM` and the text model of
 The HF state dict (fused expert tensors, HF module names) is translated to
 checkpoint names, and our model is filled through its own load plans by a
 ten-line loader here, so this checks the model's semantics and plan names
-independently of model/checkpoint.py (tests/test_hf_reference.py covers that
+independently of model/checkpoint_loader.py (tests/test_hf_reference.py covers that
 path with real safetensors files).
 
 HF's M3 sparse layers run the indexer; with <= 16 blocks of 128 keys every
