@@ -17,7 +17,8 @@ Two backends, chosen per call:
   for G = 32 (MXFP8 groups, which cuBLAS blockwise does not take on sm_90)
   and wherever ``_scaled_mm`` refuses the shapes.
 
-``MINIMAX_FP8_GEMM=scaled_mm|triton|auto`` forces one (auto: the above).
+The kernel option fp8_gemm (``MINIMAX_FP8_GEMM=scaled_mm|triton|auto``, kernels/options.py)
+forces one (auto: the above).
 The first ``_scaled_mm`` failure for a shape class is remembered so later calls
 (and CUDA graph capture) never go through an exception.
 
@@ -30,9 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from .env import env_choice
 from .fp8 import WEIGHT_BLOCK, dequantize_weight_fp8, fp8_block_gemm
 from .interpreter import triton_interpreting
+from .options import kernel_options
 
 try:
     import triton
@@ -48,10 +49,6 @@ __all__ = ["fp8_block_gemm_cuda", "fp8_block_gemm_scaled_mm", "scaled_mm_support
 
 _SCALED_MM_BROKEN: set[tuple] = set()  # shape classes where _scaled_mm raised once
 _PAD_WEIGHT_SCALES: bool | None = None  # which scale_b layout this torch build takes (found on first use)
-
-
-def _choice() -> str:
-    return env_choice("MINIMAX_FP8_GEMM", "auto", ("auto", "scaled_mm", "triton"))
 
 
 def fp8_block_gemm_cuda(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
@@ -70,7 +67,7 @@ def fp8_block_gemm_cuda(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws:
     n = w.shape[0]
     if a.shape[0] == 0:
         return out if out is not None else xq.new_empty((*lead, n), dtype=out_dtype)
-    choice = _choice()
+    choice = kernel_options().fp8_gemm
     key = (group, k % 16, n % 16, (k // WEIGHT_BLOCK) % 4)
     if choice != "triton" and scaled_mm_supports(a.shape[0], k, group) and key not in _SCALED_MM_BROKEN:
         try:

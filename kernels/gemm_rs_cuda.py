@@ -28,10 +28,10 @@ The final sum of sum_after costs a pass over [m, N] after the last GEMM (about
 overlap hides; the epilogue schedule removes it, at the price of a barrier and
 an event wait per piece and smaller GEMMs, which pays for large GEMMs only.
 
-``MINIMAX_GEMM_RS_PUSH=store`` makes the GEMMs write the peers' slots
-directly instead (see push_mode; slower on the H200). The copies are plain
-``Tensor.copy_`` into the peer's buffer mapped in our
-address space, i.e. ``cudaMemcpyAsync`` on the copy engine: no SMs are taken
+The kernel option gemm_rs_push=store (``MINIMAX_GEMM_RS_PUSH``; kernels/options.py
+has every switch) makes the GEMMs write the peers' slots directly instead
+(see push_mode; slower on the H200). The copies are plain ``Tensor.copy_``
+into the peer's buffer mapped in our address space, i.e. ``cudaMemcpyAsync`` on the copy engine: no SMs are taken
 from the GEMM, and no NVLink multicast / multimem instruction is used
 (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` is set before the first allocation
 unless the caller set it). Every step is a stream operation (GEMM, event
@@ -65,18 +65,17 @@ from typing import Optional
 import torch
 
 from .cublaslt_gemm import try_matmul_add
-from .env import env_choice
 from .fp8_gemm_cuda import fp8_block_gemm_cuda
 from .gemm_rs import check_args, gemm_rs, gemm_rs_reference, local_gemm
+from .options import kernel_options
 
 log = logging.getLogger("minimax")
 
 __all__ = ["fused_available", "gemm_rs_fused", "prepare", "push_pieces", "piece_bounds", "workspace_count"]
 
-DISABLE_ENV = "MINIMAX_GEMM_RS_FUSED"  # "0": always matmul + reduce-scatter
-PIECES_ENV = "MINIMAX_GEMM_RS_PIECES"  # pieces per row block (default: push_pieces)
-SCHEDULE_ENV = "MINIMAX_GEMM_RS_SCHEDULE"  # auto (default), epilogue or sum_after
-PUSH_ENV = "MINIMAX_GEMM_RS_PUSH"  # copy (default: copy engine) or store (the GEMM writes the peer's slot)
+# The switches (kernels/options.py): gemm_rs_fused (False: always matmul + reduce-scatter),
+# gemm_rs_pieces (pieces per row block; None: push_pieces), gemm_rs_schedule (auto, epilogue
+# or sum_after), gemm_rs_push (copy: the copy engine; store: the GEMM writes the peer's slot).
 EPILOGUE_MIN_WORK = 12 << 20  # M' x K_eff from which the epilogue schedule is faster (see choose_schedule)
 EPILOGUE_MIN_K = 2048  # K_eff below which it never is
 FP8_K_FACTOR = 0.6  # an FP8 GEMM takes about as long as a BF16 one of 0.6 x its K (N = 6144, H200)
@@ -187,7 +186,7 @@ def _workspace(rows: int, n: int, dtype: torch.dtype, group_name: str, device: t
         raise RuntimeError(
             f"minimax::gemm_rs: could not set up symmetric memory for group {group_name!r} ({type(e).__name__}: "
             f"{e}). The overlapped path needs all ranks of the group on NVLink-connected GPUs of one host; set "
-            f"{DISABLE_ENV}=0 (or raise gemm_rs_min_tokens) to use matmul + reduce-scatter instead."
+            "MINIMAX_GEMM_RS_FUSED=0 (or raise gemm_rs_min_tokens) to use matmul + reduce-scatter instead."
         ) from e
     if handle.world_size != world:
         raise RuntimeError(f"minimax::gemm_rs: symmetric memory reports {handle.world_size} ranks, group has {world}")
@@ -219,8 +218,8 @@ def fused_available(group_name: str) -> bool:
     if ok is not None:
         return ok
     why = None
-    if env_choice(DISABLE_ENV, "1", ("1", "0")) == "0":
-        why = f"{DISABLE_ENV}=0"
+    if not kernel_options().gemm_rs_fused:
+        why = "MINIMAX_GEMM_RS_FUSED=0 (kernel option gemm_rs_fused)"
     elif not torch.cuda.is_available():
         why = "no CUDA"
     else:
@@ -327,9 +326,9 @@ def choose_schedule(tokens: int, k: int, fp8: bool = False) -> str:
     from M' x K_eff = 12 Mi with K_eff >= 2048 (BF16: M >= 8192 at K = 2048, 4096 at
     K = 4096, 2048 at K = 6144; FP8: M >= 8192 at K = 4096, 4096 at K = 6144, never at
     K = 2048, where the FP8 GEMM of a piece is shorter than the push before it)."""
-    env = env_choice(SCHEDULE_ENV, "auto", ("auto", "epilogue", "sum_after"))
-    if env != "auto":
-        return env
+    forced = kernel_options().gemm_rs_schedule
+    if forced != "auto":
+        return forced
     k_eff = k * FP8_K_FACTOR if fp8 else k
     return "epilogue" if k_eff >= EPILOGUE_MIN_K and tokens * k_eff >= EPILOGUE_MIN_WORK else "sum_after"
 
@@ -343,11 +342,9 @@ def push_pieces(rows: int, k: int, schedule: str = "epilogue") -> int:
     +-5% above). sum_after: two pieces at K <= 2048 only, where the push (rows x N x 2
     bytes at ~375 GB/s, whatever K is) can outlast the own-rows GEMM that hides it; one
     above (each piece's GEMM is a little less efficient). Pieces have >= MIN_PIECE_ROWS rows."""
-    env = os.environ.get(PIECES_ENV)
-    if env is not None:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"{PIECES_ENV}={env!r}: use a whole number >= 1")
-        return min(int(env), max(1, rows // PIECE_ALIGN))
+    forced = kernel_options().gemm_rs_pieces
+    if forced is not None:
+        return min(forced, max(1, rows // PIECE_ALIGN))
     if schedule == "sum_after" and k > SMALL_K:
         return 1
     return max(1, min(DEFAULT_PIECES, rows // MIN_PIECE_ROWS))
@@ -366,7 +363,7 @@ def push_mode() -> str:
     store is slower nearly everywhere (BF16 K = 4096, M = 4096: 370 vs 306 us; FP8 K = 2048,
     M = 8192: 337 vs 252), even at M = 32768 (within 3%): cuBLAS's epilogue stores to NVLink
     hold the GEMM up. Kept as the option to re-measure on other NVLink generations."""
-    return env_choice(PUSH_ENV, "copy", ("copy", "store"))
+    return kernel_options().gemm_rs_push
 
 
 def push_partials(ws: _Workspace, gemm: _RowsGemm, tokens: int, pieces: list[tuple[int, int]],

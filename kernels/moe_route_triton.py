@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .env import env_choice
 from .interpreter import triton_interpreting
+from .options import kernel_options
 
 try:
     import triton
@@ -37,12 +37,12 @@ except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 MAX_EXPERTS = 1024  # one [experts] vector per program in registers
-_MODES = ("triton", "torch")
 
 
 def route_mode() -> str:
-    """MINIMAX_MOE_ROUTE: triton (default) or torch (the op-for-op path, to compare)."""
-    return env_choice("MINIMAX_MOE_ROUTE", "triton", _MODES)
+    """The kernel option moe_route (MINIMAX_MOE_ROUTE): triton (default) or torch (the op-for-op path,
+    to compare)."""
+    return kernel_options().moe_route
 
 
 def route_fits(x: torch.Tensor, num_experts: int, top_k: int) -> bool:

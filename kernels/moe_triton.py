@@ -12,8 +12,8 @@ routed to this rank's experts are sorted by expert and three kernels run:
                       expert of every BLOCK_M-row block; each pair's row.
                       At decode sizes (up to 1024 pairs) the same layout
                       comes from one Triton program instead
-                      (kernels/moe_align_triton.py; MINIMAX_MOE_ALIGN=torch
-                      keeps the sort)
+                      (kernels/moe_align_triton.py; the kernel option
+                      moe_align=torch keeps the sort)
     gate_up + act     grouped GEMM over the sorted rows (tokens gathered by
                       index, no permuted copy of x), gate and up tiles of the
                       fused [2n, H] weight side by side, SwiGLU-OAI (or SiLU)
@@ -31,8 +31,8 @@ renormalize) is one kernel too (kernels/moe_route_triton.py).
 The shared expert runs as one more expert in the same three launches (every
 token, weight 1, its own width: under TP it is a slice, narrower than a
 routed expert), and the combine adds it as eager does, after rounding the
-routed sum to the model dtype. MINIMAX_MOE_SHARED=separate runs it in its own
-launches instead (to compare). The grids stop at the blocks that can hold
+routed sum to the model dtype. moe_shared=separate (MINIMAX_MOE_SHARED, see
+kernels/options.py) runs it in its own launches instead (to compare). The grids stop at the blocks that can hold
 pairs (at most one per pair), not at every local expert's worst-case padding.
 
 Weights stay where the model keeps them (one tensor per expert): every kernel
@@ -55,13 +55,11 @@ token (bf16) and sums them, where an atomic-add epilogue would skip that.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .env import env_choice
 from .fp8 import FP8_DTYPE, quantize_fp8_reference
 from .interpreter import triton_interpreting as _interpreting
 from .moe import mega_moe, moe
@@ -70,6 +68,7 @@ from .moe_parallel import mega_moe_reference
 from .moe_reference import MoEWeights, gated_mlp, local_experts_reference, moe_reference
 from .moe_route_triton import route_fits, route_mode, route_triton
 from .norm_quant_triton import quantize_fp8_triton
+from .options import kernel_options
 
 try:  # optional: CPU installs use the reference only
     import triton
@@ -155,7 +154,6 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_ALIGN_MODES = ("torch", "triton")
 _SINGLE: dict = {}
 
 
@@ -180,8 +178,7 @@ def _align(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int, sh
     (equal output, one launch instead of ~40: one H200, FP8, one MoE layer at
     1 token 0.262 -> 0.191 ms, 2026-11-30); MINIMAX_MOE_ALIGN=torch keeps the
     torch sort everywhere (to compare)."""
-    mode = env_choice("MINIMAX_MOE_ALIGN", "triton", _ALIGN_MODES)
-    if mode == "triton" and (ids.is_cuda or _interpreting()):
+    if kernel_options().moe_align == "triton" and (ids.is_cuda or _interpreting()):
         if align_fits(ids.numel()):
             return Alignment(*align_by_expert_triton(ids, expert_offset, n_local, block_m, shared_id), block_m)
     return align_by_expert(ids, expert_offset, n_local, block_m, shared_id)
@@ -456,15 +453,8 @@ if HAVE_TRITON:
 def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool = False) -> dict:
     """BLOCK_M / N / K, warps, stages and the down kernel's BLOCK_N from the average rows per
     expert (a first guess, tuned where the H200 measured it)."""
-    env = os.environ.get("MINIMAX_MOE_TILES")  # e.g. "64,128,64,4,3": BM, BN, BK, warps, stages[, BN_DOWN]
-    if env:
-        try:
-            vals = [int(v) for v in env.split(",")]
-            if len(vals) not in (5, 6):
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"MINIMAX_MOE_TILES={env!r}: expected five or six integers "
-                             "BM,BN,BK,warps,stages[,BN_DOWN] (e.g. 64,128,64,4,3)") from None
+    vals = kernel_options().moe_tiles  # BM, BN, BK, warps, stages[, BN_DOWN] (MINIMAX_MOE_TILES)
+    if vals is not None:
         bm, bn, bk, warps, stages = vals[:5]
         return {"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages,
                 "BN_DOWN": vals[5] if len(vals) == 6 else bn}
@@ -627,7 +617,7 @@ def shared_in_grouped_launch(tokens: int, top_k: int, num_experts: int, fp8: boo
     of tokens) needs the down kernel's second K loop with fewer pipeline stages, and was
     slower there (EP 2, 4096 tokens per rank: FP8 3.40 -> 3.73 ms, BF16 4.87 -> 5.55;
     2 x H200, 2026-11-30): those sizes keep the separate launches."""
-    if env_choice("MINIMAX_MOE_SHARED", "merged", ("merged", "separate")) == "separate":
+    if kernel_options().moe_shared == "separate":
         return False
     return shared_width == width or tile_config(tokens, top_k, num_experts, fp8, float32)["BM"] <= 64
 
@@ -690,7 +680,7 @@ def _gpu_path(reference):
     compare on the GPU); without Triton the reference runs on CUDA too."""
 
     def impl(x, *args):
-        if env_choice("MINIMAX_MOE_KERNEL", "triton", ("triton", "reference")) == "reference" or not HAVE_TRITON:
+        if kernel_options().moe_kernel == "reference" or not HAVE_TRITON:
             return reference(x, *args)
         return reference(x, *args, experts=triton_experts, weights_cls=TritonMoEWeights)
 

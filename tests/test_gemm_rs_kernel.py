@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from minimax_backend.kernels import gemm_rs_cuda
 from minimax_backend.kernels.fp8 import quantize_weight_fp8
+from minimax_backend.kernels.options import override_kernel_options
 
 
 class SimWorkspace(gemm_rs_cuda._Workspace):
@@ -86,17 +87,17 @@ def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biase
 
 
 @pytest.fixture(params=["sum_after", "epilogue"])
-def schedule(request, monkeypatch):
+def schedule(request):
     """Both schedules of the own rows (choose_schedule picks by size; forced here)."""
-    monkeypatch.setenv(gemm_rs_cuda.SCHEDULE_ENV, request.param)
-    return request.param
+    with override_kernel_options(gemm_rs_schedule=request.param):
+        yield request.param
 
 
 @pytest.fixture(params=["copy", "store"])
-def push(request, monkeypatch):
+def push(request):
     """Both ways a partial reaches its owner (copy engine from a stage, or the GEMM's own stores)."""
-    monkeypatch.setenv(gemm_rs_cuda.PUSH_ENV, request.param)
-    return request.param
+    with override_kernel_options(gemm_rs_push=request.param):
+        yield request.param
 
 
 def _reference(partials, tokens, world):
@@ -126,25 +127,24 @@ def test_schedule_matches_reduce_scatter(schedule, push, world, tokens):
 
 @pytest.mark.parametrize("pieces", ["1", "2", "3", "16"])
 @pytest.mark.parametrize("world,tokens", [(2, 2101), (3, 1537), (4, 4099)])
-def test_schedule_in_pieces_matches_reduce_scatter(schedule, push, monkeypatch, pieces, world, tokens):
+def test_schedule_in_pieces_matches_reduce_scatter(schedule, push, pieces, world, tokens):
     """Blocks pushed in pieces (the last one partly padding rows); 16 is more than
     fits and is capped at one piece per 128 rows."""
-    monkeypatch.setenv(gemm_rs_cuda.PIECES_ENV, pieces)
     rows = -(-tokens // world)
-    assert len(gemm_rs_cuda.piece_bounds(rows, gemm_rs_cuda.push_pieces(rows, 16, schedule))) == min(int(pieces), rows // 128)
     g = torch.Generator().manual_seed(tokens)
     ints = lambda *shape: torch.randint(-3, 4, shape, generator=g).float()  # noqa: E731
     xs = [ints(tokens, 16) for _ in range(world)]
     ws = [ints(8, 16) for _ in range(world)]
-    got = _simulate(xs, ws, tokens, world)
+    with override_kernel_options(gemm_rs_pieces=pieces):  # as the variable spells it
+        assert len(gemm_rs_cuda.piece_bounds(rows, gemm_rs_cuda.push_pieces(rows, 16, schedule))) == min(
+            int(pieces), rows // 128)
+        got = _simulate(xs, ws, tokens, world)
     want = _reference([x @ w.t() for x, w in zip(xs, ws)], tokens, world)
     for r in range(world):
         assert torch.equal(got[r], want[r]), r
 
 
-def test_default_pieces_and_bad_override(monkeypatch):
-    monkeypatch.delenv(gemm_rs_cuda.PIECES_ENV, raising=False)
-    monkeypatch.delenv(gemm_rs_cuda.SCHEDULE_ENV, raising=False)
+def test_default_pieces_and_schedules():
     assert gemm_rs_cuda.push_pieces(511, 2048) == 1  # below two 256-row pieces: one
     assert gemm_rs_cuda.push_pieces(512, 2048) == gemm_rs_cuda.DEFAULT_PIECES == 2
     assert gemm_rs_cuda.push_pieces(8192, 6144) == 2  # epilogue: the own rows wait per piece, at any K
@@ -159,15 +159,13 @@ def test_default_pieces_and_bad_override(monkeypatch):
     assert choose(1 << 20, 2048, fp8=True) == "sum_after"  # FP8 K = 2048: never
     assert gemm_rs_cuda.piece_bounds(2048, 2) == [(0, 1024), (1024, 2048)]
     assert gemm_rs_cuda.piece_bounds(1000, 3) == [(0, 384), (384, 640), (640, 1000)]
-    monkeypatch.setenv(gemm_rs_cuda.PIECES_ENV, "0")
-    with pytest.raises(ValueError, match="MINIMAX_GEMM_RS_PIECES='0'"):
-        gemm_rs_cuda.push_pieces(4096, 2048)
-    monkeypatch.setenv(gemm_rs_cuda.PUSH_ENV, "nvlink")
-    with pytest.raises(ValueError, match="MINIMAX_GEMM_RS_PUSH='nvlink'"):
-        gemm_rs_cuda.push_mode()
-    monkeypatch.setenv(gemm_rs_cuda.SCHEDULE_ENV, "fast")
-    with pytest.raises(ValueError, match="MINIMAX_GEMM_RS_SCHEDULE='fast'"):
-        gemm_rs_cuda.choose_schedule(4096, 2048)
+    assert gemm_rs_cuda.push_mode() == "copy"
+    # the switches pin them (bad values: tests/test_kernel_options.py)
+    with override_kernel_options(gemm_rs_pieces=3, gemm_rs_schedule="epilogue", gemm_rs_push="store"):
+        assert gemm_rs_cuda.push_pieces(8192, 6144, "sum_after") == 3
+        assert gemm_rs_cuda.push_pieces(200, 2048) == 1  # capped at one piece per 128 rows
+        assert gemm_rs_cuda.choose_schedule(1024, 2048) == "epilogue"
+        assert gemm_rs_cuda.push_mode() == "store"
 
 
 def _check_fp8_schedule(world, tokens, seed) -> list:
@@ -231,8 +229,7 @@ def test_cpu_never_takes_the_fused_path(monkeypatch):
     assert torch.equal(out, x @ w.t())
 
 
-def test_bad_fused_switch_is_an_error(monkeypatch):
-    monkeypatch.setenv(gemm_rs_cuda.DISABLE_ENV, "yes")
+def test_fused_switch_off_means_matmul_and_reduce_scatter(monkeypatch):
     monkeypatch.setattr(gemm_rs_cuda, "_FUSED_OK", {})
-    with pytest.raises(ValueError, match="MINIMAX_GEMM_RS_FUSED='yes'"):
-        gemm_rs_cuda.fused_available("any-group")
+    with override_kernel_options(gemm_rs_fused="0"), pytest.warns(UserWarning, match="MINIMAX_GEMM_RS_FUSED=0"):
+        assert not gemm_rs_cuda.fused_available("any-group")

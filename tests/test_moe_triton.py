@@ -27,10 +27,19 @@ import torch
 
 from conftest import tiny_m2_config, tiny_m3_config
 from minimax_backend.kernels import moe as K
+from minimax_backend.kernels.options import override_kernel_options
 
 triton = pytest.importorskip("triton", reason="the Triton MoE path needs triton (pip install triton)")
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# The non-default MoE kernel switches (kernels/options.py), as option=value.
+OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch"]
+
+
+def _switched(switch: str):
+    """override_kernel_options for one "option=value" of OTHER_SWITCHES."""
+    name, value = switch.split("=")
+    return override_kernel_options(**{name: value})
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the child")
@@ -84,21 +93,35 @@ def test_single_expert_alignment_equals_the_sort(tokens, block_m):
     assert single_expert_alignment(tokens, block_m, torch.device("cpu")) is got  # built once
 
 
-def test_bad_kernel_switches_are_errors(monkeypatch):
+def test_kernel_switches_reach_the_moe_kernels():
+    """The MoE readers of kernels/options.py (bad values: tests/test_kernel_options.py)."""
     from minimax_backend.kernels import moe_triton
+    from minimax_backend.kernels.moe_route_triton import route_mode
     from minimax_backend.kernels.moe_triton import tile_config
 
-    monkeypatch.setenv("MINIMAX_MOE_TILES", "64,128")
-    with pytest.raises(ValueError, match="five or six integers"):
-        tile_config(8, 2, 8, False)
-    monkeypatch.setenv("MINIMAX_MOE_KERNEL", "cutlass")
-    with pytest.raises(ValueError, match="MINIMAX_MOE_KERNEL='cutlass'"):
-        moe_triton._gpu_path(K.moe_reference)(torch.zeros(1, 4))
-    monkeypatch.setenv("MINIMAX_MOE_TILES", "16,128,128,4,3,64")  # the optional down BLOCK_N
-    assert tile_config(8, 2, 8, True)["BN_DOWN"] == 64
+    assert tile_config(8, 2, 8, True)["BM"] == 16  # the heuristic by default
+    with override_kernel_options(moe_tiles="16,128,128,4,3,64"):  # the optional down BLOCK_N
+        assert tile_config(8, 2, 8, True) == {"BM": 16, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 3,
+                                              "BN_DOWN": 64}
+    with override_kernel_options(moe_tiles=(64, 128, 64, 4, 3)):
+        assert tile_config(8, 2, 8, False) == {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3,
+                                               "BN_DOWN": 128}
+    assert route_mode() == "triton"
+    with override_kernel_options(moe_route="torch"):
+        assert route_mode() == "torch"
+    calls = []
+
+    def reference(x, *args, **kwargs):
+        calls.append(kwargs)
+        return x
+
+    with override_kernel_options(moe_kernel="reference"):
+        moe_triton._gpu_path(reference)(torch.zeros(1, 4))  # the plain-torch experts
+    moe_triton._gpu_path(reference)(torch.zeros(1, 4))
+    assert calls == [{}, {"experts": moe_triton.triton_experts, "weights_cls": moe_triton.TritonMoEWeights}]
 
 
-def test_where_the_shared_expert_joins_the_grouped_launch(monkeypatch):
+def test_where_the_shared_expert_joins_the_grouped_launch():
     from minimax_backend.kernels.moe_triton import shared_in_grouped_launch
 
     m3 = dict(top_k=4, num_experts=128, fp8=True, float32=False, width=3072)
@@ -106,25 +129,8 @@ def test_where_the_shared_expert_joins_the_grouped_launch(monkeypatch):
     assert shared_in_grouped_launch(2, shared_width=1536, **m3)  # EP 2 (a half slice) at decode
     assert shared_in_grouped_launch(1024, shared_width=1536, **m3)  # BLOCK_M 32
     assert not shared_in_grouped_launch(8192, shared_width=1536, **m3)  # BLOCK_M 128: measured slower
-    monkeypatch.setenv("MINIMAX_MOE_SHARED", "separate")
-    assert not shared_in_grouped_launch(2, shared_width=3072, **m3)
-
-
-def test_shared_mode_is_checked(monkeypatch):
-    from minimax_backend.kernels.moe_triton import TritonMoEWeights, triton_experts
-
-    w = TritonMoEWeights(*K.block_op_args(_block(tiny_m3_config, torch.float32, False)))
-    monkeypatch.setenv("MINIMAX_MOE_SHARED", "fused")
-    with pytest.raises(ValueError, match="MINIMAX_MOE_SHARED='fused'"):
-        w.partial(torch.zeros(1, 256), torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2), triton_experts)
-
-
-def test_align_mode_is_checked(monkeypatch):
-    from minimax_backend.kernels.moe_triton import _align
-
-    monkeypatch.setenv("MINIMAX_MOE_ALIGN", "cub")
-    with pytest.raises(ValueError, match="MINIMAX_MOE_ALIGN='cub'"):
-        _align(torch.zeros(3, 2, dtype=torch.int64), 0, 4, 16)
+    with override_kernel_options(moe_shared="separate"):
+        assert not shared_in_grouped_launch(2, shared_width=3072, **m3)
 
 
 # (tokens, k, experts, offset, local experts, BLOCK_M): decode sizes at M3 width, EP halves,
@@ -330,11 +336,11 @@ def test_triton_alignment_refuses_too_many_pairs(interp):
 
 
 @pytest.mark.parametrize("case, tokens", [("m3_fp8", 5), ("m3_bf16", 9)])
-@pytest.mark.parametrize("switch", ["MINIMAX_MOE_ALIGN=torch", "MINIMAX_MOE_SHARED=separate", "MINIMAX_MOE_ROUTE=torch"])
-def test_gpu_path_with_the_other_switches_equals_eager(interp, case, tokens, switch, monkeypatch):
-    """The non-default kernel switches (torch sort, shared expert in its own launches)."""
-    monkeypatch.setenv(*switch.split("="))
-    test_gpu_path_of_the_ops_equals_eager(interp, case, tokens)
+@pytest.mark.parametrize("switch", OTHER_SWITCHES)
+def test_gpu_path_with_the_other_switches_equals_eager(interp, case, tokens, switch):
+    """The non-default kernel switches (torch sort, shared expert in its own launches, torch route)."""
+    with _switched(switch):
+        test_gpu_path_of_the_ops_equals_eager(interp, case, tokens)
 
 
 def _route_cases():
@@ -372,14 +378,6 @@ def test_triton_route_breaks_ties_towards_the_lower_id_and_orders_slots(interp):
     ids, w = route_triton(torch.tensor([[1.0, 0, 0, 0]]), rw, None, 4, False, 1.0)
     assert ids.tolist() == [[1, 3, 6, 2]]
     torch.testing.assert_close(w, torch.sigmoid(torch.tensor([[1.0, 1.0, 1.0, 0.5]])))
-
-
-def test_route_switch_is_checked(monkeypatch):
-    from minimax_backend.kernels.moe_route_triton import route_mode
-
-    monkeypatch.setenv("MINIMAX_MOE_ROUTE", "cub")
-    with pytest.raises(ValueError, match="MINIMAX_MOE_ROUTE='cub'"):
-        route_mode()
 
 
 def _cuda(args):
@@ -456,10 +454,10 @@ def test_triton_alignment_on_gpu_equals_the_sort(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["m3_bf16", "m3_fp8"])
 @pytest.mark.parametrize("tokens", [1, 64])
-@pytest.mark.parametrize("switch", ["MINIMAX_MOE_ALIGN=torch", "MINIMAX_MOE_SHARED=separate", "MINIMAX_MOE_ROUTE=torch"])
-def test_gpu_kernels_with_the_other_switches(case, tokens, switch, monkeypatch):
-    monkeypatch.setenv(*switch.split("="))
-    test_gpu_kernels_against_cpu_reference(case, tokens)
+@pytest.mark.parametrize("switch", OTHER_SWITCHES)
+def test_gpu_kernels_with_the_other_switches(case, tokens, switch):
+    with _switched(switch):
+        test_gpu_kernels_against_cpu_reference(case, tokens)
 
 
 @pytest.mark.gpu
@@ -488,7 +486,7 @@ def test_gpu_shared_expert_in_the_grouped_launch_equals_its_own_launch(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["MINIMAX_MOE_ALIGN=torch", "MINIMAX_MOE_SHARED=separate"])
-def test_gpu_op_with_the_other_switches_captures(switch, monkeypatch):
-    monkeypatch.setenv(*switch.split("="))
-    test_gpu_op_captures_into_a_cuda_graph("m3_fp8")
+@pytest.mark.parametrize("switch", OTHER_SWITCHES[:2])
+def test_gpu_op_with_the_other_switches_captures(switch):
+    with _switched(switch):
+        test_gpu_op_captures_into_a_cuda_graph("m3_fp8")

@@ -236,22 +236,23 @@ def test_fp8_block_gemm_triton_fallback_matches_reference(m, n, k, g):
 
 @in_child
 @pytest.mark.parametrize("m", [0, 5, 8])
-def test_fp8_block_gemm_cuda_writes_into_out(monkeypatch, m):
+def test_fp8_block_gemm_cuda_writes_into_out(m):
     """The entry GEMM-RS calls with `out=` (its row blocks) gives the bytes of the plain call
     (Triton backend here: cuBLAS needs the GPU) and rejects an out of the wrong shape."""
     from minimax_backend.kernels.fp8 import quantize_weight_fp8
     from minimax_backend.kernels.fp8_gemm_cuda import fp8_block_gemm_cuda
+    from minimax_backend.kernels.options import override_kernel_options
 
-    monkeypatch.setenv("MINIMAX_FP8_GEMM", "triton")
     gen = torch.Generator().manual_seed(m)
     xq, xs = torch.ops.minimax.quantize_fp8(torch.randn(m, 512, generator=gen), 128)
     w, ws = quantize_weight_fp8(torch.randn(256, 512, generator=gen))
-    want = fp8_block_gemm_cuda(xq, xs, w, ws, torch.float32)
-    out = torch.full((m, 256), float("nan"))
-    got = fp8_block_gemm_cuda(xq, xs, w, ws, torch.float32, out=out)
-    assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
-    with pytest.raises(ValueError, match="out must be a contiguous"):
-        fp8_block_gemm_cuda(xq, xs, w, ws, torch.float32, out=torch.empty(m, 255))
+    with override_kernel_options(fp8_gemm="triton"):
+        want = fp8_block_gemm_cuda(xq, xs, w, ws, torch.float32)
+        out = torch.full((m, 256), float("nan"))
+        got = fp8_block_gemm_cuda(xq, xs, w, ws, torch.float32, out=out)
+        assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            fp8_block_gemm_cuda(xq, xs, w, ws, torch.float32, out=torch.empty(m, 255))
 
 
 @in_child

@@ -129,17 +129,12 @@ def _trace(fn, args) -> list[dict]:
         del replay
 
 
-def _time_with_env(fn, name: str, value, args) -> float:
-    """_time(fn) with environment variable `name` = value (read when the call is captured)."""
-    before = os.environ.get(name)
-    os.environ[name] = str(value)
-    try:
+def _time_with_option(fn, option: str, value, args) -> float:
+    """_time(fn) with kernel option `option` = value (kernels/options.py; read when the call is captured)."""
+    from minimax_backend.kernels.options import override_kernel_options
+
+    with override_kernel_options(**{option: value}):
         return _time(fn, args)
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
 
 
 def _all_ok(ok: bool) -> bool:
@@ -166,7 +161,7 @@ def _thresholds(rows, dtype):
 def job(rank: int, world: int, args) -> None:
     from minimax_backend.kernels.fp8 import quantize_weight_fp8
     from minimax_backend.kernels.cublaslt_gemm import unavailable_reasons
-    from minimax_backend.kernels.gemm_rs_cuda import PIECES_ENV, PUSH_ENV, SCHEDULE_ENV
+    from minimax_backend.kernels.options import kernel_options
     from minimax_backend.tools.bench_common import print_table, write_json
 
     t0 = time.time()
@@ -178,9 +173,9 @@ def job(rank: int, world: int, args) -> None:
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
         symm_mem.enable_symm_mem_for_group(group)
     rows, failures = [], set()
-    variants = ([(f"ours_p{n}_us", PIECES_ENV, n) for n in args.pieces]  # (column, env var, value)
-                + [(f"ours_{s}_us", SCHEDULE_ENV, s) for s in args.schedules]
-                + [(f"ours_push_{p}_us", PUSH_ENV, p) for p in args.push])
+    variants = ([(f"ours_p{n}_us", "gemm_rs_pieces", n) for n in args.pieces]  # (column, kernel option, value)
+                + [(f"ours_{s}_us", "gemm_rs_schedule", s) for s in args.schedules]
+                + [(f"ours_push_{p}_us", "gemm_rs_push", p) for p in args.push])
     total = len(args.dtypes) * len(args.k) * len(args.m)
     for dtype in args.dtypes:
         for k in args.k:
@@ -212,8 +207,8 @@ def job(rank: int, world: int, args) -> None:
                     row[f"{name}_us"] = us
                 for name in set(METHODS) - set(args.methods):
                     row[f"{name}_us"] = None
-                for column, env, value in variants:  # ours with one setting forced
-                    row[column] = _time_with_env(fns["ours"], env, value, args)
+                for column, option, value in variants:  # ours with one setting forced
+                    row[column] = _time_with_option(fns["ours"], option, value, args)
                 trace_note = ""
                 if args.trace and row["ours_us"] is not None:  # the same on every rank (a collective)
                     row["ours_trace"] = _trace(fns["ours"], args)
@@ -258,9 +253,7 @@ def job(rank: int, world: int, args) -> None:
         if args.json:
             write_json(args.json, {"benchmark": "gemm_reduce_scatter", "world": world, "N": N, "mode": mode,
                                    "calls_per_graph": None if args.eager else args.calls,
-                                   "pieces_env": os.environ.get(PIECES_ENV),
-                                   "schedule_env": os.environ.get(SCHEDULE_ENV),
-                                   "push_env": os.environ.get(PUSH_ENV),
+                                   "kernel_options": kernel_options().to_dict(),  # the switches in force
                                    "epilogue_add_unavailable": {str(k): v for k, v in unavailable_reasons().items()},
                                    "warmup": args.warmup, "repeats": args.repeats, "rows": rows,
                                    "thresholds": thresholds, "recommended_min_tokens": recommended,
@@ -282,9 +275,9 @@ def main(argv=None) -> None:
     p.add_argument("--pieces", type=int, nargs="*", default=[],
                    help="also time ours with the peer blocks pushed in each of these piece counts")
     p.add_argument("--schedules", nargs="*", default=[], choices=["epilogue", "sum_after"],
-                   help="also time ours with the own rows in each of these schedules (MINIMAX_GEMM_RS_SCHEDULE)")
+                   help="also time ours with the own rows in each of these schedules (kernel option gemm_rs_schedule)")
     p.add_argument("--push", nargs="*", default=[], choices=["copy", "store"],
-                   help="also time ours with the partials pushed each of these ways (MINIMAX_GEMM_RS_PUSH)")
+                   help="also time ours with the partials pushed each of these ways (kernel option gemm_rs_push)")
     p.add_argument("--trace", action="store_true",
                    help="also record one replay of ours per shape with torch.profiler: GPU timeline in the JSON")
     p.add_argument("--json")

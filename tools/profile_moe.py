@@ -12,9 +12,10 @@ median time, the sum of kernel times (the rest is the gaps between kernels)
 and the kernel count per call. At decode sizes this says whether launches
 or the grouped GEMMs dominate (one H200, 1 token FP8, 2026-11-30: 120
 kernels, GEMMs 141 of 288 us at first; 11 kernels, GEMMs 82 of 115 us after
-the decode kernels; README "MoE layer"). Kernel switches (MINIMAX_MOE_ALIGN,
-MINIMAX_MOE_ROUTE, MINIMAX_MOE_SHARED, MINIMAX_MOE_TILES, ...) apply, so a
-change can be compared in one call.
+the decode kernels; README "MoE layer"). The kernel switches
+(kernels/options.py: MINIMAX_MOE_ALIGN, MINIMAX_MOE_ROUTE, MINIMAX_MOE_SHARED,
+MINIMAX_MOE_TILES, ...; read once, when the process starts using the
+kernels) apply, so a change can be compared in one call.
 
 On the CPU (no graphs) the profiler records CPU ops instead; the numbers
 only check the script.

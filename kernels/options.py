@@ -1,0 +1,226 @@
+"""The kernel switches, declared once: `KernelOptions`.
+
+Each switch picks between kernel paths that compute the same op (a faster
+default and the path it replaced, kept to measure against), or pins a choice
+the kernels otherwise make by shape. None of them changes the graph, so they
+are not part of the backend config; they are part of what a compile ran with
+(`kernel_options().to_dict()`, `stable_hash()`).
+
+They are read from the environment ONCE, on the first `kernel_options()` call
+of the process, and validated then: a bad value is a ValueError that names the
+variable and the values it takes. Benchmarks and tests change them with
+`override_kernel_options(**changes)`, never by setting os.environ mid-process
+(which has no effect after the first read). Spawned ranks read their own
+environment, so a launcher sets the variables before it starts them.
+
+| option           | variable                 | default | values                           | what it does |
+|------------------|--------------------------|---------|----------------------------------|--------------|
+| moe_kernel       | MINIMAX_MOE_KERNEL       | triton  | triton, reference                | reference: the plain-torch experts on CUDA instead of the Triton grouped GEMMs |
+| moe_tiles        | MINIMAX_MOE_TILES        | (unset) | BM,BN,BK,warps,stages[,BN_DOWN]  | the grouped GEMMs' tiles instead of tile_config's choice by token count |
+| moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~40 torch kernels instead of one Triton program (the default up to 1024 token-expert pairs) |
+| moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
+| moe_shared       | MINIMAX_MOE_SHARED       | merged  | merged, separate                 | separate: the shared expert in its own launches instead of inside the routed ones |
+| gemm_rs_fused    | MINIMAX_GEMM_RS_FUSED    | 1       | 1, 0                             | 0: every GEMM + reduce-scatter as matmul + NCCL, never the overlapped kernel |
+| gemm_rs_schedule | MINIMAX_GEMM_RS_SCHEDULE | auto    | auto, epilogue, sum_after        | how the own rows are reduced (auto: by GEMM size, choose_schedule) |
+| gemm_rs_push     | MINIMAX_GEMM_RS_PUSH     | copy    | copy, store                      | store: the GEMMs write the peers' buffers over NVLink instead of the copy engine pushing a local copy |
+| gemm_rs_pieces   | MINIMAX_GEMM_RS_PIECES   | (unset) | a whole number >= 1              | pieces per row block instead of push_pieces' rule (2, or 1 for sum_after above K = 2048) |
+| fp8_gemm         | MINIMAX_FP8_GEMM         | auto    | auto, scaled_mm, triton          | the FP8 block GEMM's backend (auto: cuBLAS blockwise where trusted, else Triton) |
+
+The non-default values are the slower paths kept to compare against, or pin
+what the kernels choose by shape (figures: docs/measurements/2026-11-30.md,
+"MoE layer" and "GEMM + reduce-scatter"; the rules they back:
+docs/kernel-notes.md). Who runs them:
+
+* moe_align / moe_route / moe_shared = the non-default value: the MoE GPU tests
+  and the interpreter tests of tests/test_moe_triton.py, each one;
+* gemm_rs_schedule and gemm_rs_push: both values in the CPU schedule test
+  (tests/test_gemm_rs_kernel.py) and the 2-GPU tests; gemm_rs_pieces 1, 2, 3
+  and 16 in the CPU schedule test; tools/bench_gemm_rs.py times them
+  (--schedules, --push, --pieces). Both are read when a call runs, i.e. when
+  it is captured into a CUDA graph, not at replay;
+* gemm_rs_push=store was slower on the H200 (NVLink 4) and is kept to
+  re-measure on other NVLink generations;
+* fp8_gemm: the GPU tests run both backends; moe_tiles: to try tiles by hand
+  (set it for a run of tools/profile_moe.py or tools/bench_moe.py).
+
+tests/test_kernel_options.py checks this table against the declarations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Optional
+
+__all__ = ["KernelOptions", "kernel_options", "override_kernel_options"]
+
+
+def _switch(env: str, default, doc: str, choices: Optional[tuple[str, ...]] = None, kind: str = "choice",
+            allowed: str = ""):
+    """A dataclass field that is one switch: its variable, default, values and one-line doc."""
+    return field(default=default, metadata={"env": env, "doc": doc, "choices": choices, "kind": kind,
+                                            "allowed": allowed or ", ".join(choices or ())})
+
+
+_TILES_HELP = "expected five or six integers BM,BN,BK,warps,stages[,BN_DOWN] (e.g. 64,128,64,4,3)"
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """One value per kernel switch (see the module docstring's table). Values are checked
+    (and strings from the environment parsed) when an instance is made."""
+
+    moe_kernel: str = _switch(
+        "MINIMAX_MOE_KERNEL", "triton", "reference: the plain-torch experts on CUDA instead of the Triton grouped GEMMs",
+        choices=("triton", "reference"))
+    moe_tiles: Optional[tuple[int, ...]] = _switch(
+        "MINIMAX_MOE_TILES", None, "the grouped GEMMs' tiles instead of tile_config's choice by token count",
+        kind="tiles", allowed="BM,BN,BK,warps,stages[,BN_DOWN]")
+    moe_align: str = _switch(
+        "MINIMAX_MOE_ALIGN", "triton", "torch: the experts' sorted layout from ~40 torch kernels instead of one "
+        "Triton program", choices=("triton", "torch"))
+    moe_route: str = _switch(
+        "MINIMAX_MOE_ROUTE", "triton", "torch: the router's selection op for op instead of one Triton kernel",
+        choices=("triton", "torch"))
+    moe_shared: str = _switch(
+        "MINIMAX_MOE_SHARED", "merged", "separate: the shared expert in its own launches instead of inside the "
+        "routed ones", choices=("merged", "separate"))
+    gemm_rs_fused: bool = _switch(
+        "MINIMAX_GEMM_RS_FUSED", True, "0: every GEMM + reduce-scatter as matmul + NCCL", kind="flag",
+        allowed="1, 0")
+    gemm_rs_schedule: str = _switch(
+        "MINIMAX_GEMM_RS_SCHEDULE", "auto", "how the own rows are reduced (auto: by GEMM size)",
+        choices=("auto", "epilogue", "sum_after"))
+    gemm_rs_push: str = _switch(
+        "MINIMAX_GEMM_RS_PUSH", "copy", "store: the GEMMs write the peers' buffers instead of the copy engine",
+        choices=("copy", "store"))
+    gemm_rs_pieces: Optional[int] = _switch(
+        "MINIMAX_GEMM_RS_PIECES", None, "pieces per row block instead of push_pieces' rule", kind="count",
+        allowed="a whole number >= 1")
+    fp8_gemm: str = _switch(
+        "MINIMAX_FP8_GEMM", "auto", "the FP8 block GEMM's backend (auto: cuBLAS blockwise where trusted, else Triton)",
+        choices=("auto", "scaled_mm", "triton"))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _check(f, getattr(self, f.name)))
+
+    # ------------------------------------------------------------ reading
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None) -> "KernelOptions":
+        """The options the variables in `environ` (default os.environ) set; unset ones keep their defaults."""
+        environ = os.environ if environ is None else environ
+        return cls(**{f.name: environ[f.metadata["env"]] for f in dataclasses.fields(cls)
+                      if f.metadata["env"] in environ})
+
+    @classmethod
+    def switches(cls) -> list[dict]:
+        """The declarations: [{option, variable, default, values, doc}] in table order."""
+        return [{"option": f.name, "variable": f.metadata["env"], "default": _env_text(f, f.default),
+                 "values": f.metadata["allowed"], "doc": f.metadata["doc"]} for f in dataclasses.fields(cls)]
+
+    # ------------------------------------------------------------ reporting
+    def to_dict(self) -> dict:
+        """{option: value}, JSON-ready (tiles as a list, unset as None)."""
+        return {f.name: (list(v) if isinstance(v, tuple) else v)
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+
+    def changed(self) -> dict:
+        """The options that differ from their defaults, as to_dict gives them."""
+        default = KernelOptions().to_dict()
+        return {k: v for k, v in self.to_dict().items() if v != default[k]}
+
+    def stable_hash(self) -> str:
+        """16 hex digits of a SHA-256 of to_dict(): equal options give the same hash in any process."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _env_text(f: dataclasses.Field, value) -> str:
+    """A value as the variable would spell it ("(unset)" for None)."""
+    if value is None:
+        return "(unset)"
+    if f.metadata["kind"] == "flag":
+        return "1" if value else "0"
+    if f.metadata["kind"] == "tiles":
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def _check(f: dataclasses.Field, value):
+    """The value of switch f, parsed from its variable's spelling where it is a string."""
+    env, kind, default = f.metadata["env"], f.metadata["kind"], f.default
+    if kind == "choice":
+        if value not in f.metadata["choices"]:
+            raise ValueError(f"{env}={value!r}: use one of {f.metadata['allowed']} (default {default})")
+        return value
+    if kind == "flag":
+        if isinstance(value, bool):
+            return value
+        if value in ("1", "0"):
+            return value == "1"
+        raise ValueError(f"{env}={value!r}: use one of 1, 0 (default {_env_text(f, default)})")
+    if kind == "tiles":
+        if value is None or value == "":  # an empty variable counts as unset
+            return None
+        try:
+            vals = tuple(int(v) for v in (value.split(",") if isinstance(value, str) else value))
+        except (TypeError, ValueError):
+            vals = ()
+        if len(vals) not in (5, 6) or any(v <= 0 for v in vals):
+            raise ValueError(f"{env}={value!r}: {_TILES_HELP}")
+        return vals
+    if kind == "count":
+        if value is None:
+            return None
+        number = int(value) if isinstance(value, str) and value.isdigit() else value
+        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+            raise ValueError(f"{env}={value!r}: use a whole number >= 1")
+        return number
+    raise AssertionError(kind)  # pragma: no cover
+
+
+# ---------------------------------------------------------------- the process's options
+_CURRENT: Optional[KernelOptions] = None
+_LOCK = threading.Lock()
+
+
+def kernel_options() -> KernelOptions:
+    """The options in force: read from the environment on the first call, then cached
+    (or what an enclosing override_kernel_options set)."""
+    global _CURRENT
+    opts = _CURRENT
+    if opts is None:
+        with _LOCK:
+            if _CURRENT is None:
+                _CURRENT = KernelOptions.from_env()  # a bad value raises here, and caches nothing
+            opts = _CURRENT
+    return opts
+
+
+@contextlib.contextmanager
+def override_kernel_options(**changes) -> Iterator[KernelOptions]:
+    """Run a block with some switches changed (by option name; values as KernelOptions takes
+    them, or as the variable spells them: moe_tiles="64,128,64,4,3", gemm_rs_pieces="3").
+
+    Process-wide, not per thread; restores what was in force before on exit. Checked
+    before it takes effect: an unknown name is a TypeError, a bad value a ValueError."""
+    global _CURRENT
+    names = {f.name for f in dataclasses.fields(KernelOptions)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise TypeError(f"override_kernel_options: unknown option(s) {', '.join(unknown)}; "
+                        f"the options are {', '.join(sorted(names))}")
+    new = dataclasses.replace(kernel_options(), **changes)
+    with _LOCK:
+        before, _CURRENT = _CURRENT, new
+    try:
+        yield new
+    finally:
+        with _LOCK:
+            _CURRENT = before
