@@ -8,9 +8,8 @@
 Two backends, chosen per call:
 
 * ``torch._scaled_mm`` with blockwise scales (cuBLASLt; 1 x 128 activation
-  groups and 128 x 128 weight blocks, sm_90 with a recent cuBLAS, measured
-  1.6x faster than the BF16 matmul at 8192 x 6144 x 4096 on the H200: see
-  ARCHITECTURE.md). cuBLAS wants the activation scales M-major (column-major
+  groups and 128 x 128 weight blocks, sm_90 with a recent cuBLAS; faster than
+  the BF16 matmul, measured: docs/kernel-notes.md#fp8-block-gemm). cuBLAS wants the activation scales M-major (column-major
   [M, K/128]): that relayout happens here, after any all-gather, which is why
   the graph carries row-major ("unswizzled") scales. Only for G = 128.
 * A Triton kernel (DeepSeek-style: fp8 tl.dot per K block, scaled in float32),
@@ -99,10 +98,10 @@ def _weight_scales_for_cublas(ws: torch.Tensor, padded: bool) -> torch.Tensor:
 def scaled_mm_supports(m: int, k: int, group: int) -> bool:
     """Shapes where cuBLAS blockwise is known to be right on sm_90.
 
-    Measured on the H200 (torch 2.11, 2026-11-30): with K / 128 not a multiple
-    of 4 (K = 384) _scaled_mm returned WRONG numbers without raising, so the
-    layout cannot be found by trying; those shapes go to the Triton kernel.
-    M is padded to a multiple of 4 below, so any M is fine.
+    With K / 128 not a multiple of 4, _scaled_mm returned WRONG numbers without
+    raising (measured: docs/kernel-notes.md#fp8-block-gemm), so the layout cannot
+    be found by trying; those shapes go to the Triton kernel. M is padded to a
+    multiple of 4 below, so any M is fine.
     """
     return group == WEIGHT_BLOCK and k % (4 * WEIGHT_BLOCK) == 0
 

@@ -23,10 +23,10 @@ owns. One call, on rank r:
                                        (one cuBLASLt call, kernels/cublaslt_gemm.py)
                                 W > 2: GEMM -> sym[r]; out[p] = sum over the W slots (one rounding)
 
-The final sum of sum_after costs a pass over [m, N] after the last GEMM (about
-20 us at M = 4096 and 150 us at 32768, N = 6144 BF16, on the H200) that no
+The final sum of sum_after costs a pass over [m, N] after the last GEMM that no
 overlap hides; the epilogue schedule removes it, at the price of a barrier and
-an event wait per piece and smaller GEMMs, which pays for large GEMMs only.
+an event wait per piece and smaller GEMMs, which pays for large GEMMs only
+(measured: docs/kernel-notes.md#gemm-rs-final-sum).
 
 The kernel option gemm_rs_push=store (``MINIMAX_GEMM_RS_PUSH``; kernels/options.py
 has every switch) makes the GEMMs write the peers' slots directly instead
@@ -51,7 +51,7 @@ torch API used (present in 2.11 and 2.13): ``torch.distributed.
 _symmetric_memory.empty / rendezvous``, and on the handle ``barrier(channel)``,
 ``rank``, ``world_size``, ``get_remote_tensor`` (``get_buffer`` if absent).
 Never call ``destroy_process_group()`` after using this module on the GPU box:
-it hung there (2026-11-30).
+it hung there (docs/kernel-notes.md#gemm-rs-teardown).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ __all__ = ["fused_available", "gemm_rs_fused", "prepare", "push_pieces", "piece_
 # or sum_after), gemm_rs_push (copy: the copy engine; store: the GEMM writes the peer's slot).
 EPILOGUE_MIN_WORK = 12 << 20  # M' x K_eff from which the epilogue schedule is faster (see choose_schedule)
 EPILOGUE_MIN_K = 2048  # K_eff below which it never is
-FP8_K_FACTOR = 0.6  # an FP8 GEMM takes about as long as a BF16 one of 0.6 x its K (N = 6144, H200)
+FP8_K_FACTOR = 0.6  # an FP8 GEMM takes about as long as a BF16 one of 0.6 x its K (docs/kernel-notes.md#gemm-rs-schedule)
 DEFAULT_PIECES = 2
 SMALL_K = 2048  # sum_after: pieces only at K <= SMALL_K
 MIN_PIECE_ROWS = 256  # below, one piece
@@ -321,11 +321,9 @@ def choose_schedule(tokens: int, k: int, fp8: bool = False) -> str:
     and needs each piece's GEMM to outlast the push of the piece before, which depends
     on the GEMM's time per row, i.e. K (FP8 counts as FP8_K_FACTOR x K).
 
-    Measured on 2 x H200, N = 6144 (2026-11-30, bench_gemm_rs --schedules epilogue
-    sum_after, docs/results/2026-11-30_h200x2_gemm_rs_schedules.json): epilogue faster
-    from M' x K_eff = 12 Mi with K_eff >= 2048 (BF16: M >= 8192 at K = 2048, 4096 at
-    K = 4096, 2048 at K = 6144; FP8: M >= 8192 at K = 4096, 4096 at K = 6144, never at
-    K = 2048, where the FP8 GEMM of a piece is shorter than the push before it)."""
+    The rule: epilogue from M' x K_eff >= EPILOGUE_MIN_WORK with K_eff >= EPILOGUE_MIN_K
+    (below, a piece's FP8 GEMM is shorter than the push before it), the crossover
+    measured on 2 x H200 at N = 6144 (measured: docs/kernel-notes.md#gemm-rs-schedule)."""
     forced = kernel_options().gemm_rs_schedule
     if forced != "auto":
         return forced
@@ -338,10 +336,10 @@ def push_pieces(rows: int, k: int, schedule: str = "epilogue") -> int:
 
     epilogue: the own rows wait for the peer's push of the same piece, so one piece would
     put the whole push between the two halves of the GEMM; two let each push run beside
-    the next piece's GEMM (3 and 4 measured slower on 2 x H200 at M <= 2048 and within
-    +-5% above). sum_after: two pieces at K <= 2048 only, where the push (rows x N x 2
-    bytes at ~375 GB/s, whatever K is) can outlast the own-rows GEMM that hides it; one
-    above (each piece's GEMM is a little less efficient). Pieces have >= MIN_PIECE_ROWS rows."""
+    the next piece's GEMM (3 and 4 were no faster). sum_after: two pieces at K <= 2048
+    only, where the push (rows x N x 2 bytes, whatever K is) can outlast the own-rows GEMM
+    that hides it; one above (each piece's GEMM is a little less efficient). Pieces have
+    >= MIN_PIECE_ROWS rows (measured: docs/kernel-notes.md#gemm-rs-pieces)."""
     forced = kernel_options().gemm_rs_pieces
     if forced is not None:
         return min(forced, max(1, rows // PIECE_ALIGN))
@@ -359,10 +357,9 @@ def piece_bounds(rows: int, pieces: int) -> list[tuple[int, int]]:
 def push_mode() -> str:
     """'copy': GEMM into a local stage, the copy engine pushes it; 'store': the GEMM writes
     the peer's slot itself, over NVLink (no stage, no copy engine, but the main stream waits
-    for the start barrier). Measured on 2 x H200 (docs/results/2026-11-30_h200x2_gemm_rs_push.json):
-    store is slower nearly everywhere (BF16 K = 4096, M = 4096: 370 vs 306 us; FP8 K = 2048,
-    M = 8192: 337 vs 252), even at M = 32768 (within 3%): cuBLAS's epilogue stores to NVLink
-    hold the GEMM up. Kept as the option to re-measure on other NVLink generations."""
+    for the start barrier). store is slower nearly everywhere on 2 x H200: cuBLAS's epilogue
+    stores to NVLink hold the GEMM up (measured: docs/kernel-notes.md#gemm-rs-push). Kept
+    as the option to re-measure on other NVLink generations."""
     return kernel_options().gemm_rs_push
 
 
@@ -398,9 +395,8 @@ def push_partials(ws: _Workspace, gemm: _RowsGemm, tokens: int, pieces: list[tup
 def own_rows_sum_after(ws: _Workspace, gemm: _RowsGemm, tokens: int) -> torch.Tensor:
     """sum_after: GEMM my rows into my slot beside the last push; after the barrier, sum the W slots.
 
-    Summing each piece on the side stream beside the next GEMM was measured slower on
-    2 x H200 (FP8 K = 6144: 340 vs 306 us at M = 4096; docs/results/
-    2026-11-30_h200x2_gemm_rs_sum_overlap.json): the sum does not run beside cuBLAS's GEMM."""
+    Summing each piece on the side stream beside the next GEMM was slower: the sum does not
+    run beside cuBLAS's GEMM (measured: docs/kernel-notes.md#gemm-rs-sum-overlap)."""
     lo = ws.rank * ws.rows
     gemm(lo, min(lo + ws.rows, tokens), ws.sym[ws.rank])
     ws.join()

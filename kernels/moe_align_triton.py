@@ -4,8 +4,8 @@ kernels/moe_triton.py:align_by_expert builds the sorted layout the grouped
 GEMMs read (pairs sorted by local expert, each expert's run padded to a
 multiple of BLOCK_M, the expert of every block, each pair's row) from about
 40 small torch kernels (sort, scans, scatters, fills). At decode sizes those
-launches cost more than the work: on one H200 at 1 token they were about half
-of the MoE layer's time (2026-11-30 profile). This file computes the same
+launches cost more than the work (about half of the MoE layer's time at 1
+token, measured: docs/kernel-notes.md#moe-alignment). This file computes the same
 three tensors, equal element for element, in one launch:
 
     fill     sorted_pair = -1
@@ -39,8 +39,8 @@ except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 # (token, slot) pairs up to which one program is used (64 tokens x top-4 + the shared slot =
-# 320 pairs at decode; measured faster than the torch path at 1 and 64 tokens on the H200,
-# 0.262 -> 0.191 and 1.765 -> 1.692 ms per FP8 MoE layer; the limit itself is a guess).
+# 320 pairs at decode; faster than the torch path at 1 and 64 tokens, measured:
+# docs/kernel-notes.md#moe-alignment; the limit itself is a guess).
 MAX_PAIRS = 1024
 _CHUNK = 64  # pairs per step: a CHUNK x CHUNK comparison and a CHUNK x NB one-hot in registers
 

@@ -3,8 +3,7 @@
 kernels/moe.py:route is the model's router op for op: float32 logits, sigmoid,
 + correction bias, top-k, gather, renormalize, x routed scaling. After the
 logits GEMM that is about eight small launches, which at decode cost more than
-the work (one H200, FP8 MoE layer at 1 token: ~125 us in all, ~45 us of it
-outside the two grouped GEMMs, 2026-11-30 profile). Here the logits GEMM stays
+the work (measured: docs/kernel-notes.md#moe-routing). Here the logits GEMM stays
 with cuBLAS and one kernel does the rest:
 
     scores  = sigmoid(logits)                       float32

@@ -175,9 +175,8 @@ def _align(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int, sh
     """align_by_expert, or the same layout from one Triton program at decode sizes.
 
     The default, triton, takes kernels/moe_align_triton.py up to its pair limit
-    (equal output, one launch instead of ~40: one H200, FP8, one MoE layer at
-    1 token 0.262 -> 0.191 ms, 2026-11-30); MINIMAX_MOE_ALIGN=torch keeps the
-    torch sort everywhere (to compare)."""
+    (equal output, one launch instead of ~40; measured: docs/kernel-notes.md#moe-alignment);
+    the kernel option moe_align=torch keeps the torch sort everywhere (to compare)."""
     if kernel_options().moe_align == "triton" and (ids.is_cuda or _interpreting()):
         if align_fits(ids.numel()):
             return Alignment(*align_by_expert_triton(ids, expert_offset, n_local, block_m, shared_id), block_m)
@@ -357,7 +356,8 @@ if HAVE_TRITON:
                   K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         """One [BM, BN] tile of h @ w.T over K (a compile-time width: the weight's row stride,
-        so its loads stay 16-byte vectors; a runtime stride made them scalar, 20x slower)."""
+        so its loads stay 16-byte vectors; a runtime stride made them scalar, much slower:
+        docs/kernel-notes.md#moe-weight-strides)."""
         offs_k = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         kb_total = tl.cdiv(K, 128)
@@ -392,7 +392,7 @@ if HAVE_TRITON:
         # K: a routed expert's intermediate width; SHARED: the last expert is the shared one,
         # K_SHARED wide (a TP slice can be narrower). The widths are compile-time constants:
         # they are the weights' row strides, and a runtime stride made the weight loads
-        # scalar (20x slower on the H200)
+        # scalar (measured: docs/kernel-notes.md#moe-weight-strides)
         pid = tl.program_id(0)
         pid_m = pid % num_m_blocks
         pid_n = pid // num_m_blocks
@@ -452,7 +452,7 @@ if HAVE_TRITON:
 # --------------------------------------------------------------- launching
 def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool = False) -> dict:
     """BLOCK_M / N / K, warps, stages and the down kernel's BLOCK_N from the average rows per
-    expert (a first guess, tuned where the H200 measured it)."""
+    expert (a first guess, tuned where the H200 measured it: docs/kernel-notes.md#moe-tiles)."""
     vals = kernel_options().moe_tiles  # BM, BN, BK, warps, stages[, BN_DOWN] (MINIMAX_MOE_TILES)
     if vals is not None:
         bm, bn, bk, warps, stages = vals[:5]
@@ -463,7 +463,7 @@ def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
     if float32:  # 4-byte tiles: halve K and the pipeline depth to fit the 227 KB of shared memory
         return {"BM": bm, "BN": 128, "BK": 32, "num_warps": 4 if bm <= 64 else 8, "num_stages": 2, "BN_DOWN": 128}
     # FP8 decode (BM 16): the down GEMM in 64-column tiles, twice the programs to pull the weights
-    # (one H200, 1 token: 26.2 us against 29.1 with 128, 2026-11-30)
+    # (faster than 128 at 1 token; measured: docs/kernel-notes.md#moe-tiles)
     return {"BM": bm, "BN": 128, "BK": 128 if fp8 else 64, "num_warps": 4 if bm <= 64 else 8,
             "num_stages": 3 if bm <= 64 else 4, "BN_DOWN": 64 if fp8 and bm == 16 else 128}
 
@@ -608,15 +608,14 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 def shared_in_grouped_launch(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool,
                              width: int, shared_width: int) -> bool:
-    """Whether the shared expert runs inside the routed launches (MINIMAX_MOE_SHARED=merged,
+    """Whether the shared expert runs inside the routed launches (kernel option moe_shared=merged,
     the default) or in its own (=separate, to compare; or where merging measured slower).
 
-    Merged is faster at every measured size when the shared expert is as wide as a routed
-    one (EP 1), and at BLOCK_M <= 64 when it is a narrower TP slice (EP 2: 1 token 0.372 ->
-    0.120 ms FP8, 512 tokens 1.475 -> 1.349). A narrower slice at BLOCK_M 128 (thousands
-    of tokens) needs the down kernel's second K loop with fewer pipeline stages, and was
-    slower there (EP 2, 4096 tokens per rank: FP8 3.40 -> 3.73 ms, BF16 4.87 -> 5.55;
-    2 x H200, 2026-11-30): those sizes keep the separate launches."""
+    Merged where the shared expert is as wide as a routed one (EP 1), and at BLOCK_M <= 64
+    when it is a narrower TP slice (EP 2). A narrower slice at BLOCK_M 128 (thousands of
+    tokens) needs the down kernel's second K loop with fewer pipeline stages, and was
+    slower there: those sizes keep the separate launches (measured:
+    docs/kernel-notes.md#moe-shared-expert)."""
     if kernel_options().moe_shared == "separate":
         return False
     return shared_width == width or tile_config(tokens, top_k, num_experts, fp8, float32)["BM"] <= 64
@@ -636,7 +635,7 @@ class TritonMoEWeights(MoEWeights):
 
     def route(self, x: torch.Tensor):
         """The router's selection in one kernel after the logits GEMM (kernels/moe_route_triton.py);
-        MINIMAX_MOE_ROUTE=torch keeps the op-for-op path."""
+        the kernel option moe_route=torch keeps the op-for-op path."""
         if route_mode() == "triton" and route_fits(x, self.router_weight.shape[0], self.top_k):
             return route_triton(x, self.router_weight, self.correction_bias, self.top_k, self.norm_topk_prob,
                                 self.routed_scaling)
@@ -676,8 +675,8 @@ class TritonMoEWeights(MoEWeights):
 # ------------------------------------------------------------ the ops' CUDA kernels
 def _gpu_path(reference):
     """The CUDA kernel of an op: the same code with the Triton grouped GEMMs for the
-    experts. MINIMAX_MOE_KERNEL=reference keeps the plain-torch experts (e.g. to
-    compare on the GPU); without Triton the reference runs on CUDA too."""
+    experts. The kernel option moe_kernel=reference keeps the plain-torch experts (e.g.
+    to compare on the GPU); without Triton the reference runs on CUDA too."""
 
     def impl(x, *args):
         if kernel_options().moe_kernel == "reference" or not HAVE_TRITON:

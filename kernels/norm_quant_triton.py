@@ -102,11 +102,9 @@ def launch_config(k: int, group_size: int, m: int, split: bool | None = None) ->
     rows = max(1, min(16, 2048 // tile))  # narrow rows: several per program
     warps = 1 if tile <= 256 else 2 if tile <= 512 else 4 if tile <= 2048 else 8 if tile <= 8192 else 16
     # Two exact tiles instead of one padded one where the group count allows (6144 = 32 + 16
-    # groups): measured on the H200 at hidden 6144, 2026-11-30, 8 warps, one row per program:
-    # 0.050 / 0.094 / 0.182 ms at M = 4096 / 8192 / 16384 against 0.055 / 0.101 / 0.196 for
-    # the best one-tile launch (docs/results/2026-11-30_h200_norm_quant_split.json).
+    # groups): faster than the best one-tile launch (measured: docs/kernel-notes.md#norm-quant-launch).
     if ng_b == 0 and 2048 < tile <= 8192 and m >= 4096:
-        # one padded tile: 4 warps beat 8 by 8-9% at M = 4096-16384 (same card and day)
+        # one padded tile: 4 warps beat 8 there (measured: docs/kernel-notes.md#norm-quant-launch)
         warps = 4
     return {"ROWS": rows, "NG": ng, "NG_B": ng_b, "num_warps": warps, "SPLIT": ng_b > 0}
 

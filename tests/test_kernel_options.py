@@ -153,3 +153,17 @@ def test_no_kernel_reads_the_environment_itself():
         text = path.read_text()
         assert not re.search(r"environ(\.get)?\(?\[?[\"']MINIMAX_", text), path.name
         assert "env_choice" not in text, path.name
+
+
+def test_the_kernels_pointers_into_the_tuning_notes_resolve():
+    """Kernel comments keep a rule and point to its measurement in docs/kernel-notes.md#section:
+    every such section exists (GitHub's anchor of a heading: lower case, spaces to dashes)."""
+    from pathlib import Path
+
+    kernels = Path(O.__file__).parent
+    notes = (kernels.parent / "docs" / "kernel-notes.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-")
+               for h in re.findall(r"^#+ (.+)$", notes, flags=re.M)}
+    pointers = {a for path in kernels.glob("*.py") for a in re.findall(r"kernel-notes\.md#([a-z0-9-]+)", path.read_text())}
+    assert pointers, "no pointers found"
+    assert pointers <= anchors, sorted(pointers - anchors)
