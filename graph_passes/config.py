@@ -64,7 +64,7 @@ class BackendConfig:
     # Capture the generated code in CUDA graphs, one per token count up to the
     # largest bucket (graph_passes/cudagraph_capture.py); skipped on CPU.
     cudagraphs: bool = True
-    # Sizes callers pad to (model/bucketing.py); rounded up to a multiple of
+    # Sizes callers pad to (graph_passes/bucketing.py); rounded up to a multiple of
     # the TP size under sequence parallelism. Larger inputs run without a graph.
     cudagraph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     # Return copies of the graph's output buffers, so earlier results stay valid

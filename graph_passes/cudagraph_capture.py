@@ -5,7 +5,7 @@ in ``CapturedGraphs``. Each distinct input shape ("token count": the element
 count of the first integer input, i.e. ``input_ids``) at or below the largest
 of ``cudagraph_buckets`` is captured once, on its first call, and replayed
 afterwards; larger ones run the compiled code directly. Callers pad their
-inputs to a bucket (``model/bucketing.py``) so that a handful of graphs covers
+inputs to a bucket (``graph_passes/bucketing.py``) so that a handful of graphs covers
 every size; a size that is not a bucket is still captured, with a warning, as
 each distinct size costs a compile and a graph.
 
@@ -194,7 +194,7 @@ class CapturedGraphs:
             warnings.warn(
                 f"minimax: capturing a CUDA graph for {tokens} tokens, which is not one of cudagraph_buckets "
                 f"{list(self.buckets)}; every distinct size costs a compile and a graph: pad inputs to a bucket "
-                "(minimax_backend.model.bucketing)", stacklevel=3)
+                "(minimax_backend.graph_passes.bucketing)", stacklevel=3)
         return True
 
     def _static_moved(self, args, graph: _Graph) -> bool:

@@ -66,10 +66,6 @@ def make_dumper(out_dir: str | None = None, title: str = ""):
     return GraphDumper(out_dir, title)
 
 
-# PassManager.run's dumper when it is given none: an in-memory GraphDumper.
-_NullDumper = make_dumper
-
-
 class PassManager:
     def __init__(self, config: BackendConfig, order: Sequence[str] = DEFAULT_ORDER):
         self.config = config
@@ -87,7 +83,7 @@ class PassManager:
         return h.hexdigest()
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext, dumper=None) -> list[PassResult]:
-        dumper = dumper or _NullDumper()
+        dumper = dumper or make_dumper()  # in memory: each stage's op counts
         results: list[PassResult] = []
         seen: dict[str, int] = {}
         for p in self.passes:
