@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from . import cudagraph_capture
+from ..kernels.options import kernel_options
 from .base import PassContext, PassError
 from .codegen import generate, mutated_input_idxs, static_input_idxs
 from .config import BackendConfig, BackendOptionError
@@ -136,6 +137,7 @@ def _run_pipeline(aten_gm, aten_inputs, config: BackendConfig, manager: PassMana
         "config": config.to_dict(),
         "config_hash": config.stable_hash(),
         "pipeline_hash": manager.stable_hash(),
+        "kernel_options": kernel_options().to_dict(),
         "tp_size": ctx.tp_size,
         "ep_size": ctx.ep_size,
         "rank": ctx.rank,

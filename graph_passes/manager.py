@@ -77,7 +77,12 @@ class PassManager:
         self.passes: list[GraphPass] = [registry[name](config) for name in self.order]
 
     def stable_hash(self) -> str:
+        """The config, every pass's source and options, and the kernel switches (they pick the code
+        the compiled graph runs): the key a compile cache may use."""
+        from ..kernels.options import kernel_options
+
         h = hashlib.sha256(self.config.stable_hash().encode())
+        h.update(kernel_options().stable_hash().encode())
         for p in self.passes:
             h.update(p.uuid().encode())
         return h.hexdigest()

@@ -104,6 +104,13 @@ def test_report(registry):
     assert rep["dump_dir"] is None and rep["config"]["codegen"] == "fx"
     assert rep["config_hash"] == cfg.stable_hash()
     assert rep["tp_size"] == 1 and rep["rank"] == 0
+    # the kernel switches are in the report and in the compile-cache key
+    from minimax_backend.kernels.options import KernelOptions, override_kernel_options
+
+    assert rep["kernel_options"] == KernelOptions().to_dict()
+    before = gp.PassManager(cfg).stable_hash()
+    with override_kernel_options(moe_kernel="reference"):
+        assert gp.PassManager(cfg).stable_hash() != before
 
 
 def test_strict_mode_error_on_a_pass_that_matches_nothing(registry):

@@ -41,13 +41,10 @@ VARIANTS = [("sum_after", "copy"), ("epilogue", "copy"), ("sum_after", "store"),
 
 
 def _variant(schedule, push):
-    """Force the own-rows schedule and the push of kernels/gemm_rs_cuda.py in this rank (read per call)."""
-    import os
+    """Force the own-rows schedule and the push of kernels/gemm_rs_cuda.py in this rank."""
+    from minimax_backend.kernels.options import override_kernel_options
 
-    from minimax_backend.kernels import gemm_rs_cuda
-
-    os.environ[gemm_rs_cuda.SCHEDULE_ENV] = schedule
-    os.environ[gemm_rs_cuda.PUSH_ENV] = push
+    return override_kernel_options(gemm_rs_schedule=schedule, gemm_rs_push=push)
 
 
 def check_fused_equals_unfused(rank, world, group):
@@ -56,19 +53,25 @@ def check_fused_equals_unfused(rank, world, group):
     device = torch.device("cuda", rank)
     diffs = {}
     for schedule, push in VARIANTS:
-        _variant(schedule, push)
-        for fp8 in (False, True):
-            for tokens in (37, 1000, 4099):  # odd counts: padded to a multiple of the world size
-                args, out_dtype = _inputs(rank, tokens, 512, 768, fp8, device)
-                pad = -(-tokens // world) * world - tokens
-                fused = torch.ops.minimax.gemm_rs(*args, pad, 0, world, group, out_dtype=out_dtype)
-                plain = torch.ops.minimax.gemm_rs(*args, pad, 1 << 30, world, group, out_dtype=out_dtype)
-                assert fused.shape == plain.shape == ((tokens + pad) // world, 768)
-                # one BF16 rounding apart at most (the epilogue adds before rounding, the sum after)
-                torch.testing.assert_close(fused, plain, rtol=1.6e-2, atol=1e-2)
-                diffs[f"{schedule}_{push}_{'fp8' if fp8 else 'bf16'}_{tokens}"] = (fused.float() - plain.float()).abs().max().item()
+        with _variant(schedule, push):
+            diffs.update(_fused_vs_unfused(rank, world, group, schedule, push, device))
     assert gemm_rs_cuda.workspace_count() > 0, "the fused path never ran"
     diffs["epilogue_add_unavailable"] = str(cublaslt_gemm.unavailable_reasons())
+    return diffs
+
+
+def _fused_vs_unfused(rank, world, group, schedule, push, device):
+    diffs = {}
+    for fp8 in (False, True):
+        for tokens in (37, 1000, 4099):  # odd counts: padded to a multiple of the world size
+            args, out_dtype = _inputs(rank, tokens, 512, 768, fp8, device)
+            pad = -(-tokens // world) * world - tokens
+            fused = torch.ops.minimax.gemm_rs(*args, pad, 0, world, group, out_dtype=out_dtype)
+            plain = torch.ops.minimax.gemm_rs(*args, pad, 1 << 30, world, group, out_dtype=out_dtype)
+            assert fused.shape == plain.shape == ((tokens + pad) // world, 768)
+            # one BF16 rounding apart at most (the epilogue adds before rounding, the sum after)
+            torch.testing.assert_close(fused, plain, rtol=1.6e-2, atol=1e-2)
+            diffs[f"{schedule}_{push}_{'fp8' if fp8 else 'bf16'}_{tokens}"] = (fused.float() - plain.float()).abs().max().item()
     return diffs
 
 
@@ -76,26 +79,32 @@ def check_cuda_graph_capture_and_replay(rank, world, group):
     device = torch.device("cuda", rank)
     diffs = {}
     for schedule, push in VARIANTS:
-        _variant(schedule, push)
-        for fp8 in (False, True):
-            args, out_dtype = _inputs(rank, 4096, 1024, 1024, fp8, device)
-            op = lambda: torch.ops.minimax.gemm_rs(*args, 0, 0, world, group, out_dtype=out_dtype)  # noqa: E731
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside capture: allocates the workspace
-                op()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                out = op()
-            for trial in range(3):
-                args[0].copy_(torch.randn(args[0].shape, device=device).to(args[0].dtype))
-                dist.barrier()
-                graph.replay()
-                want = torch.ops.minimax.gemm_rs(*args, 0, 1 << 30, world, group, out_dtype=out_dtype)
-                torch.testing.assert_close(out, want, rtol=1.6e-2, atol=1e-2)
-                diffs[f"{schedule}_{push}_{'fp8' if fp8 else 'bf16'}_{trial}"] = (out.float() - want.float()).abs().max().item()
-            del graph
+        with _variant(schedule, push):
+            diffs.update(_capture_and_replay(rank, world, group, schedule, push, device))
+    return diffs
+
+
+def _capture_and_replay(rank, world, group, schedule, push, device):
+    diffs = {}
+    for fp8 in (False, True):
+        args, out_dtype = _inputs(rank, 4096, 1024, 1024, fp8, device)
+        op = lambda: torch.ops.minimax.gemm_rs(*args, 0, 0, world, group, out_dtype=out_dtype)  # noqa: E731
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture: allocates the workspace
+            op()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = op()
+        for trial in range(3):
+            args[0].copy_(torch.randn(args[0].shape, device=device).to(args[0].dtype))
+            dist.barrier()
+            graph.replay()
+            want = torch.ops.minimax.gemm_rs(*args, 0, 1 << 30, world, group, out_dtype=out_dtype)
+            torch.testing.assert_close(out, want, rtol=1.6e-2, atol=1e-2)
+            diffs[f"{schedule}_{push}_{'fp8' if fp8 else 'bf16'}_{trial}"] = (out.float() - want.float()).abs().max().item()
+        del graph
     return diffs
 
 
