@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from ..kernels.moe import choose_dispatch
+from ..kernels.moe_parallel import choose_dispatch
 from ..patterns.fx import is_op
 from ..patterns.moe_collectives import match_moe_collectives
 from .base import CandidatePass, PassContext

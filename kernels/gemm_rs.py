@@ -102,17 +102,8 @@ def local_gemm(
     return y if bias is None else y + bias.reshape(-1).to(y.dtype)
 
 
-def gemm_rs_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    x_scale: Optional[torch.Tensor],
-    weight_scale: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    pad_rows: int,
-    group_size: int,
-    group_name: str,
-    out_dtype: Optional[torch.dtype] = None,
-) -> torch.Tensor:
+def gemm_rs_reference(x, weight, x_scale, weight_scale, bias, pad_rows: int, group_size: int, group_name: str,
+                      out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """matmul + pad + functional reduce-scatter: the unfused path and the CPU reference."""
     y = local_gemm(x, weight, x_scale, weight_scale, bias, out_dtype)
     if pad_rows:
@@ -142,18 +133,7 @@ def gemm_rs(
 
 
 @gemm_rs.register_fake
-def _gemm_rs_fake(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    x_scale: Optional[torch.Tensor],
-    weight_scale: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor],
-    pad_rows: int,
-    min_tokens: int,
-    group_size: int,
-    group_name: str,
-    out_dtype: Optional[torch.dtype] = None,
-) -> torch.Tensor:
+def _gemm_rs_fake(x, weight, x_scale, weight_scale, bias, pad_rows, min_tokens, group_size, group_name, out_dtype=None):
     check_args(x, weight, x_scale, weight_scale, bias, pad_rows, group_size, out_dtype)
     rows = output_rows(x.shape[0], pad_rows, group_size)
     return x.new_empty((rows, weight.shape[0]), dtype=out_dtype or x.dtype)

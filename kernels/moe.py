@@ -50,99 +50,50 @@ Triton grouped GEMMs; kernels/moe_triton.py registers it (this module never
 imports it), and it falls back to the reference without Triton or with the
 kernel switch moe_kernel=reference (kernels/options.py).
 
-The reference pieces are re-exported here (route, MoEWeights, shard_rows,
-choose_dispatch, ...), so `from minimax_backend.kernels.moe import X` keeps
-working for every name it held before the split.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
 import torch
 
-from .moe_parallel import DISPATCH_MODES, choose_dispatch, mega_moe_out_rows, mega_moe_reference, shard_rows
-from .moe_reference import (
-    ACTIVATIONS,
-    ExpertsFn,
-    MoEWeights,
-    activation,
-    check_inputs,
-    gated_mlp,
-    local_experts_reference,
-    moe_reference,
-    route,
-)
+from .moe_parallel import mega_moe_out_rows, mega_moe_reference
+from .moe_reference import moe_reference
 
-__all__ = [
-    "moe",
-    "mega_moe",
-    "block_op_args",
-    "flops",
-    # re-exported from kernels/moe_reference.py and kernels/moe_parallel.py
-    "ACTIVATIONS",
-    "DISPATCH_MODES",
-    "ExpertsFn",
-    "MoEWeights",
-    "route",
-    "activation",
-    "gated_mlp",
-    "check_inputs",
-    "local_experts_reference",
-    "moe_reference",
-    "mega_moe_reference",
-    "mega_moe_out_rows",
-    "choose_dispatch",
-    "shard_rows",
-]
+__all__ = ["moe", "mega_moe", "MOE_ARGS", "MEGA_MOE_ARGS", "block_op_args", "flops"]
 
 
 # ---------------------------------------------------------------- the ops
-# Schemas: Tensor[] for the per-expert weights (empty scale lists = BF16).
-@torch.library.custom_op("minimax::moe", mutates_args=())
-def moe(
-    x: torch.Tensor, router_weight: torch.Tensor, correction_bias: Optional[torch.Tensor],
-    w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor],
-    w13_scale: Sequence[torch.Tensor], w2_scale: Sequence[torch.Tensor],
-    shared_w13: Optional[torch.Tensor], shared_w2: Optional[torch.Tensor],
-    shared_w13_scale: Optional[torch.Tensor], shared_w2_scale: Optional[torch.Tensor],
-    top_k: int, routed_scaling: float, norm_topk_prob: bool, expert_offset: int,
-    activation: str, alpha: float, limit: float, beta: float, act_group_size: int,
-) -> torch.Tensor:
-    return moe_reference(x, router_weight, correction_bias, w13, w2, w13_scale, w2_scale, shared_w13, shared_w2,
-                         shared_w13_scale, shared_w2_scale, top_k, routed_scaling, norm_topk_prob, expert_offset,
-                         activation, alpha, limit, beta, act_group_size)
+# One schema for both: mega_moe takes moe's arguments and six more. Tensor[] for
+# the per-expert weights (empty scale lists = BF16).
+MOE_ARGS = (
+    "Tensor x, Tensor router_weight, Tensor? correction_bias, Tensor[] w13, Tensor[] w2, "
+    "Tensor[] w13_scale, Tensor[] w2_scale, Tensor? shared_w13, Tensor? shared_w2, "
+    "Tensor? shared_w13_scale, Tensor? shared_w2_scale, int top_k, float routed_scaling, "
+    "bool norm_topk_prob, int expert_offset, str activation, float alpha, float limit, float beta, "
+    "int act_group_size"
+)
+MEGA_MOE_ARGS = (MOE_ARGS + ", str group_name, int group_size, bool input_sharded, bool output_sharded, "
+                 "int num_tokens, str dispatch")
+
+
+@torch.library.custom_op("minimax::moe", mutates_args=(), schema=f"({MOE_ARGS}) -> Tensor")
+def moe(*args) -> torch.Tensor:
+    return moe_reference(*args)
 
 
 @moe.register_fake
-def _moe_fake(x, router_weight, correction_bias, w13, w2, w13_scale, w2_scale, shared_w13, shared_w2,
-              shared_w13_scale, shared_w2_scale, top_k, routed_scaling, norm_topk_prob, expert_offset,
-              activation, alpha, limit, beta, act_group_size):
+def _moe_fake(x, *rest):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("minimax::mega_moe", mutates_args=())
-def mega_moe(
-    x: torch.Tensor, router_weight: torch.Tensor, correction_bias: Optional[torch.Tensor],
-    w13: Sequence[torch.Tensor], w2: Sequence[torch.Tensor],
-    w13_scale: Sequence[torch.Tensor], w2_scale: Sequence[torch.Tensor],
-    shared_w13: Optional[torch.Tensor], shared_w2: Optional[torch.Tensor],
-    shared_w13_scale: Optional[torch.Tensor], shared_w2_scale: Optional[torch.Tensor],
-    top_k: int, routed_scaling: float, norm_topk_prob: bool, expert_offset: int,
-    activation: str, alpha: float, limit: float, beta: float, act_group_size: int,
-    group_name: str, group_size: int, input_sharded: bool, output_sharded: bool, num_tokens: int, dispatch: str,
-) -> torch.Tensor:
-    return mega_moe_reference(x, router_weight, correction_bias, w13, w2, w13_scale, w2_scale, shared_w13,
-                              shared_w2, shared_w13_scale, shared_w2_scale, top_k, routed_scaling, norm_topk_prob,
-                              expert_offset, activation, alpha, limit, beta, act_group_size, group_name, group_size,
-                              input_sharded, output_sharded, num_tokens, dispatch)
+@torch.library.custom_op("minimax::mega_moe", mutates_args=(), schema=f"({MEGA_MOE_ARGS}) -> Tensor")
+def mega_moe(*args) -> torch.Tensor:
+    return mega_moe_reference(*args)
 
 
 @mega_moe.register_fake
-def _mega_moe_fake(x, router_weight, correction_bias, w13, w2, w13_scale, w2_scale, shared_w13, shared_w2,
-                   shared_w13_scale, shared_w2_scale, top_k, routed_scaling, norm_topk_prob, expert_offset,
-                   activation, alpha, limit, beta, act_group_size, group_name, group_size, input_sharded,
-                   output_sharded, num_tokens, dispatch):
+def _mega_moe_fake(x, *args):
+    group_size, input_sharded, output_sharded, num_tokens = args[-5:-1]
     rows = mega_moe_out_rows(x.shape[0], group_size, input_sharded, output_sharded, num_tokens)
     return x.new_empty((rows, x.shape[1]))
 

@@ -79,15 +79,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma:
     return (normed.to(x.dtype) * weight).to(x.dtype)
 
 
-def rms_norm_quant_fp8_reference(
-    x: torch.Tensor,
-    residual: Optional[torch.Tensor],
-    weight: torch.Tensor,
-    eps: float,
-    gemma: bool,
-    group_size: int = 128,
-    want_bf16_output: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def rms_norm_quant_fp8_reference(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+                                 gemma: bool, group_size: int = 128, want_bf16_output: bool = False):
     """The unfused sequence in plain torch: the numerical reference (any device)."""
     _check(x, residual, weight, group_size)
     h = x
@@ -101,15 +94,9 @@ def rms_norm_quant_fp8_reference(
 
 
 @torch.library.custom_op("minimax::rms_norm_quant_fp8", mutates_args=())
-def rms_norm_quant_fp8(
-    x: torch.Tensor,
-    residual: Optional[torch.Tensor],
-    weight: torch.Tensor,
-    eps: float,
-    gemma: bool,
-    group_size: int = 128,
-    want_bf16_output: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def rms_norm_quant_fp8(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, gemma: bool,
+                       group_size: int = 128, want_bf16_output: bool = False,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # CPU (and any device without a kernel of its own): the reference. Every
     # output is a fresh tensor (a custom op may not return its inputs' storage).
     return rms_norm_quant_fp8_reference(x, residual, weight, eps, gemma, group_size, want_bf16_output)

@@ -229,18 +229,10 @@ if HAVE_TRITON:
                                  col_b, cmask_b, NG, n_groups, NG_B, GEMMA, WANT_Y, ROUND_BF16, NORM)
 
 
-def rms_norm_quant_fp8_triton(
-    x: torch.Tensor,
-    residual: Optional[torch.Tensor],
-    weight: torch.Tensor,
-    eps: float,
-    gemma: bool,
-    group_size: int = 128,
-    want_bf16_output: bool = False,
-    num_warps: int | None = None,
-    rows_per_program: int | None = None,
-    split_tiles: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def rms_norm_quant_fp8_triton(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+                              gemma: bool, group_size: int = 128, want_bf16_output: bool = False,
+                              num_warps: int | None = None, rows_per_program: int | None = None,
+                              split_tiles: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
     split_tiles: the row as two exact power-of-two tiles where its group count allows

@@ -86,7 +86,8 @@ def _tokens(kind: str, t: int, hidden: int, experts: int, dtype) -> torch.Tensor
 
 def _run_case(blk, x, world, rank, name):
     """Reference (eager) and mega_moe in every layout / dispatch, as error ratios."""
-    from minimax_backend.kernels.moe import block_op_args, shard_rows
+    from minimax_backend.kernels.moe import block_op_args
+    from minimax_backend.kernels.moe_parallel import shard_rows
 
     with torch.no_grad():
         ref = blk(x)  # eager: full tokens in, the block's all-reduce included
@@ -110,7 +111,7 @@ def _run_case(blk, x, world, rank, name):
 
 
 def _rank_main(rank: int, world: int, scenarios: list) -> dict:
-    from minimax_backend.kernels.moe import route
+    from minimax_backend.kernels.moe_reference import route
 
     torch.manual_seed(0)
     results = {}

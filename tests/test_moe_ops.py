@@ -8,6 +8,7 @@ import torch
 
 from conftest import tiny_m2_config, tiny_m3_config
 from minimax_backend.kernels import moe as K
+from minimax_backend.kernels import moe_parallel as P
 
 
 _BLOCKS: dict = {}
@@ -115,7 +116,7 @@ def test_argument_errors():
 
 
 def test_dispatch_choice():
-    assert K.choose_dispatch(has_shared=True, group_size=8, ep_size=8) == "allgather"  # M3: shared expert
-    assert K.choose_dispatch(has_shared=False, group_size=8, ep_size=8) == "alltoall"  # M2 with EP
-    assert K.choose_dispatch(has_shared=False, group_size=8, ep_size=1) == "allgather"  # experts on every rank
-    assert K.choose_dispatch(has_shared=False, group_size=1, ep_size=1) == "allgather"
+    assert P.choose_dispatch(has_shared=True, group_size=8, ep_size=8) == "allgather"  # M3: shared expert
+    assert P.choose_dispatch(has_shared=False, group_size=8, ep_size=8) == "alltoall"  # M2 with EP
+    assert P.choose_dispatch(has_shared=False, group_size=8, ep_size=1) == "allgather"  # experts on every rank
+    assert P.choose_dispatch(has_shared=False, group_size=1, ep_size=1) == "allgather"

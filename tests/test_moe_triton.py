@@ -27,6 +27,8 @@ import torch
 
 from conftest import tiny_m2_config, tiny_m3_config
 from minimax_backend.kernels import moe as K
+from minimax_backend.kernels import moe_parallel as P
+from minimax_backend.kernels import moe_reference as R
 from minimax_backend.kernels.options import override_kernel_options
 
 triton = pytest.importorskip("triton", reason="the Triton MoE path needs triton (pip install triton)")
@@ -204,25 +206,25 @@ def test_grouped_experts_match_reference(interp, case):
     blk = _block(make, dtype, fp8)
     args = K.block_op_args(blk)
     x = torch.randn(13, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
-    w = K.MoEWeights(*args)
+    w = R.MoEWeights(*args)
     ids, tw = w.route(x)
     assert interp.supported(x, w)
     got = interp.triton_experts(x, ids, tw, w)
     assert got.dtype == torch.float32 and got.shape == x.shape
-    ref = K.local_experts_reference(x, ids, tw, w)
+    ref = R.local_experts_reference(x, ids, tw, w)
     assert _err(got, ref, fp8) <= TOL[tol]
     if case.startswith("m3"):  # the clamp is exercised: without it the reference moves far past TOL
-        unclamped = K.MoEWeights(*args)
+        unclamped = R.MoEWeights(*args)
         unclamped.limit = float("inf")
-        assert _err(K.local_experts_reference(x, ids, tw, unclamped), ref, fp8) > 10 * TOL[tol]
+        assert _err(R.local_experts_reference(x, ids, tw, unclamped), ref, fp8) > 10 * TOL[tol]
     if case not in ("m3_bf16", "m3_fp8"):
         return
     # this rank's half of the experts (EP 2, rank 1): other experts' pairs contribute nothing
-    half = K.MoEWeights(*args)
+    half = R.MoEWeights(*args)
     half.w13, half.w2, half.expert_offset = w.w13[4:], w.w2[4:], 4
     if fp8:
         half.w13_scale, half.w2_scale = w.w13_scale[4:], w.w2_scale[4:]
-    assert _err(interp.triton_experts(x, ids, tw, half), K.local_experts_reference(x, ids, tw, half), fp8) <= TOL[tol]
+    assert _err(interp.triton_experts(x, ids, tw, half), R.local_experts_reference(x, ids, tw, half), fp8) <= TOL[tol]
 
 
 @pytest.mark.parametrize("case, tokens", [("m3_bf16", 1), ("m3_bf16", 9), ("m3_fp8", 5)])
@@ -235,8 +237,8 @@ def test_gpu_path_of_the_ops_equals_eager(interp, case, tokens):
     with torch.no_grad():
         ref = blk(x)
     path = dict(experts=interp.triton_experts, weights_cls=interp.TritonMoEWeights)
-    moe = K.moe_reference(x, *args, **path)
-    mega = K.mega_moe_reference(x, *args, "", 1, False, False, tokens, "allgather", **path)
+    moe = R.moe_reference(x, *args, **path)
+    mega = P.mega_moe_reference(x, *args, "", 1, False, False, tokens, "allgather", **path)
     for out in (moe, mega):
         assert out.dtype == dtype
         assert _err(out, ref, fp8) <= (2 * TOL[tol] if not fp8 else TOL[tol])  # + the shared expert's rounding
@@ -245,13 +247,13 @@ def test_gpu_path_of_the_ops_equals_eager(interp, case, tokens):
 def test_idle_and_crowded_experts(interp):
     """All tokens on one expert (a run of several blocks), the others idle."""
     blk = _block(tiny_m3_config, torch.float32, False)
-    w = K.MoEWeights(*K.block_op_args(blk))
+    w = R.MoEWeights(*K.block_op_args(blk))
     x = torch.randn(37, 256, generator=torch.Generator().manual_seed(2))
     ids = torch.stack([torch.full((37,), 6), torch.full((37,), 1)], 1)
     tw = torch.rand(37, 2, generator=torch.Generator().manual_seed(3))
     cfg = {"BM": 16, "BN": 128, "BK": 64}
     got = interp.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, None, None, 0, "swigluoai", 1.702, 7.0, 1.0, 8, cfg)
-    assert _err(got, K.local_experts_reference(x, ids, tw, w), False) <= 1e-5
+    assert _err(got, R.local_experts_reference(x, ids, tw, w), False) <= 1e-5
 
 
 def _shared_args(w, width):
@@ -274,7 +276,7 @@ def test_shared_expert_in_the_grouped_launch_equals_its_own_launch(interp, case,
     its own launches give, also when its slice is narrower (TP) than a routed expert; and
     EP halves of the routed experts (other ranks' pairs contribute nothing)."""
     make, dtype, fp8, tol = CASES[case]
-    w = K.MoEWeights(*K.block_op_args(_block(make, dtype, fp8)))
+    w = R.MoEWeights(*K.block_op_args(_block(make, dtype, fp8)))
     width = w.shared_w2.shape[1] // (2 if shared_width == "half" else 1)
     if fp8 and width % 128:
         pytest.skip("FP8 slices are whole 128-column blocks")
@@ -366,7 +368,7 @@ def test_triton_route_equals_the_torch_route(interp):
     from minimax_backend.kernels.moe_route_triton import route_triton
 
     for x, rw, cb, k, norm in _route_cases():
-        _check_route(route_triton(x, rw, cb, k, norm, 2.5), K.route(x, rw, cb, k, norm, 2.5))
+        _check_route(route_triton(x, rw, cb, k, norm, 2.5), R.route(x, rw, cb, k, norm, 2.5))
 
 
 def test_triton_route_breaks_ties_towards_the_lower_id_and_orders_slots(interp):
@@ -393,7 +395,7 @@ def test_gpu_kernels_against_cpu_reference(case, tokens):
     blk = _block(make, dtype, fp8)
     args = K.block_op_args(blk)
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).to(dtype)
-    ref = K.moe_reference(x, *args)  # CPU
+    ref = R.moe_reference(x, *args)  # CPU
     cuda_args = _cuda(args)
     got = torch.ops.minimax.moe(x.cuda(), *cuda_args).cpu()
     mega = torch.ops.minimax.mega_moe(x.cuda(), *cuda_args, "", 1, False, False, tokens, "allgather").cpu()
@@ -424,7 +426,7 @@ def test_gpu_op_captures_into_a_cuda_graph(case):
     x.copy_(torch.randn(33, 256, device="cuda").to(dtype))
     graph.replay()
     torch.cuda.synchronize()
-    ref = K.moe_reference(x.cpu(), *K.block_op_args(_block(make, dtype, fp8)))
+    ref = R.moe_reference(x.cpu(), *K.block_op_args(_block(make, dtype, fp8)))
     assert _err(out.cpu(), ref, fp8) <= (2 * TOL[tol] if not fp8 else TOL[tol])
 
 
@@ -434,7 +436,7 @@ def test_triton_route_on_gpu_equals_the_cpu_route():
 
     for x, rw, cb, k, norm in _route_cases():
         got = route_triton(x.cuda(), rw.cuda(), cb.cuda() if cb is not None else None, k, norm, 2.5)
-        _check_route(tuple(t.cpu() for t in got), K.route(x, rw, cb, k, norm, 2.5))
+        _check_route(tuple(t.cpu() for t in got), R.route(x, rw, cb, k, norm, 2.5))
 
 
 @pytest.mark.gpu
@@ -467,7 +469,7 @@ def test_gpu_shared_expert_in_the_grouped_launch_equals_its_own_launch(case):
     import minimax_backend.kernels.moe_triton as kt
 
     make, dtype, fp8, tol = CASES[case]
-    w = K.MoEWeights(*_cuda(K.block_op_args(_block(make, dtype, fp8))))
+    w = R.MoEWeights(*_cuda(K.block_op_args(_block(make, dtype, fp8))))
     for width in (w.shared_w2.shape[1], w.shared_w2.shape[1] // 2):
         sh = _shared_args(w, width)
         for tokens in (1, 13, 200, 1000):  # BLOCK_M 16 to 128 (two K loops in shared memory)

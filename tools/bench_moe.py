@@ -81,7 +81,7 @@ def _timer(device: torch.device, warmup: int, repeats: int, barrier) -> Callable
 
 def torch_grouped_path(w_args: tuple, fp8: bool):
     """(experts, weights_cls) for kernels.moe.mega_moe_reference with the torch grouped GEMMs."""
-    from minimax_backend.kernels.moe import MoEWeights
+    from minimax_backend.kernels.moe_reference import MoEWeights
 
     routed = TorchGrouped(w_args[2], w_args[3], w_args[4], w_args[5], fp8)
     shared = TorchGrouped([w_args[6]], [w_args[7]], [w_args[8]] if fp8 else None, [w_args[9]] if fp8 else None,
@@ -127,7 +127,8 @@ def _expert_bytes(args: tuple, fp8: bool) -> tuple[int, int]:
 
 
 def job(rank: int, world: int, args) -> None:
-    from minimax_backend.kernels.moe import block_op_args, flops, mega_moe_reference, shard_rows
+    from minimax_backend.kernels.moe import block_op_args, flops
+    from minimax_backend.kernels.moe_parallel import mega_moe_reference, shard_rows
     from minimax_backend.tools.bench_common import graphed, print_table, write_json
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
@@ -215,7 +216,7 @@ def job(rank: int, world: int, args) -> None:
 
 
 def blk_route(blk, x):
-    from minimax_backend.kernels.moe import route
+    from minimax_backend.kernels.moe_reference import route
 
     return route(x, blk.gate.weight, blk.e_score_correction_bias if blk.use_routing_bias else None, blk.top_k,
                  blk.norm_topk_prob, blk.routed_scaling_factor)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from minimax_backend.kernels.fp8 import dequantize_weight_fp8, quantize_fp8_reference
-from minimax_backend.kernels.moe import activation
+from minimax_backend.kernels.moe_reference import activation
 from minimax_backend.model.linear import ParallelLinear
 from minimax_backend.model.moe import MoE
 from minimax_backend.model.parallel import all_reduce
