@@ -42,10 +42,14 @@ class BackendConfig:
     fuse_norm_quant: str = _pass_switch("RMSNorm + FP8 quantize -> one kernel")
     gemm_reduce_scatter: str = _pass_switch("matmul + reduce-scatter -> one overlapped op")
     moe_lower: str = _pass_switch("minimax::moe -> MegaMoE (dispatch, expert GEMMs, combine)")
+    fuse_allreduce_norm_quant: str = _pass_switch("all-reduce + residual add + RMSNorm + FP8 quant -> one op")
 
     # Fused GEMM-RS only at or above this many tokens (matmul + RS below): from here on it
     # was never slower at any K, BF16 or FP8 (docs/measurements/2026-11-30.md, "GEMM + reduce-scatter").
     gemm_rs_min_tokens: int = 512
+    # fuse_allreduce_norm_quant up to this many tokens (where engines use a one-shot
+    # all-reduce); not measured yet on our GPUs.
+    allreduce_fusion_max_tokens: int = 128
     # Sequence parallelism (auto) only at or above this many tokens: below it, it cost time at
     # decode sizes; sizes between 16 and 1024 are not measured, so off there until they are
     # (docs/measurements/2026-11-30.md, "End to end").
@@ -138,6 +142,7 @@ class BackendConfig:
 
 _TYPES = {
     "gemm_rs_min_tokens": int,
+    "allreduce_fusion_max_tokens": int,
     "sequence_parallel_min_tokens": int,
     "fp8_allgather": bool,
     "strict": bool,

@@ -20,6 +20,7 @@ from . import moe  # noqa: F401  (minimax::moe, minimax::mega_moe)
 from . import gemm_rs  # noqa: F401  (minimax::gemm_rs)
 from . import msa  # noqa: F401  (minimax::msa_select, minimax::msa_attention)
 from . import stacked_gemm  # noqa: F401  (minimax::stacked_gemm; no kernel of its own: its GEMMs dispatch)
+from . import allreduce_norm  # noqa: F401  (minimax::allreduce_rms_norm_quant; the unfused ops on every device)
 
 # GPU modules: the ops' CUDA kernels
 from . import fp8_gemm_cuda  # noqa: F401  (fp8_block_gemm)
