@@ -12,5 +12,6 @@ micro_pipeline_tp.py), one file per pattern family:
     norm_quant.py      RMSNorm -> FP8 quantization sites
     gemm_rs.py         a GEMM feeding only a reduce-scatter
     stacked_linears.py linears on one input whose weights are stacked rows
+    allreduce_norm.py  an all-reduce that only the next RMSNorm (and its residual add) reads
     sequence_parallel.py  the residual stream's all-reduces -> reduce-scatter + gathers
 """

@@ -28,10 +28,13 @@ model/moe.py with random weights; with --gpus N it is split N ways (EP = TP
 
 Columns: median milliseconds (CUDA events, after warm-up, all ranks started
 together), ours' speedup over torch_gmm and eager (graph replays where both
-have them), TFLOP/s per GPU and its share of the H200's dense peak (989
-BF16, 1979 FP8), the decode floor (bytes of the experts the batch touches on
-this rank, read once at 4.8 TB/s) and ours over it, and the max error of
-ours and torch_gmm relative to the eager output's largest value.
+have them), the layer's FLOPs and bytes per GPU, ours in TFLOP/s and GB/s,
+the rate of ONE plain GEMM with the layer's total rows and K measured in the
+same run (torch._scaled_mm with block scales in FP8, torch.mm in BF16) and
+ours as a fraction of it, the decode floor (bytes of the experts the batch
+touches on this rank, read once at the copy bandwidth measured in the same
+run) and ours over it, and the max error of ours and torch_gmm relative to
+the eager output's largest value.
 
 Targets (issue 7): ours >= 1.3x torch_gmm at 1-512 tokens and >= 1.1x at
 4096+; decode (1-64 tokens) within 2x of the weight-read floor. FP8 eager
@@ -52,8 +55,6 @@ import torch.distributed as dist
 
 from minimax_backend.tools.torch_baseline import TorchGrouped
 
-PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H200 SXM dense
-HBM_BYTES_PER_S = 4.8e12
 DEFAULT_TOKENS = [1, 4, 16, 64, 128, 512, 1024, 4096, 8192, 16384]
 
 
@@ -129,13 +130,14 @@ def _expert_bytes(args: tuple, fp8: bool) -> tuple[int, int]:
 def job(rank: int, world: int, args) -> None:
     from minimax_backend.kernels.moe import block_op_args, flops
     from minimax_backend.kernels.moe_parallel import mega_moe_reference, shard_rows
-    from minimax_backend.tools.bench_common import graphed, print_table, write_json
+    from minimax_backend.tools.bench_common import copy_bandwidth_gbs, graphed, print_table, write_json
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     barrier = dist.barrier if world > 1 else None
     timed = _timer(device, args.warmup, args.repeats, barrier)
     group = dist.group.WORLD.group_name if world > 1 else ""
     rows = []
+    copy_gbs = copy_bandwidth_gbs(device)  # the memory ceiling, measured in this run
     for precision in args.precisions:
         fp8 = precision == "fp8"
         cfg, blk = build_block(args.preset, rank, world, fp8, device)
@@ -182,11 +184,17 @@ def job(rank: int, world: int, args) -> None:
                 ids, _ = blk_route(blk, x)
                 first = blk.first_expert
                 touched = len(torch.unique(ids[(ids >= first) & (ids < first + len(blk.experts))]))
-            floor_us = (touched * routed_bytes + shared_bytes) / HBM_BYTES_PER_S * 1e6
+            weight_bytes = touched * routed_bytes + shared_bytes
+            floor_us = weight_bytes / (copy_gbs * 1e3)
             layer_flops = flops(tokens, hidden, inter, k, cfg.shared_intermediate_size)
             best = min(v for v in (row["ours_ms"], row.get("ours_graph_ms")) if v)
+            row["flops"] = layer_flops / world
+            row["bytes"] = weight_bytes + 2 * 2 * tokens * hidden  # weights touched + activations in and out
             row["ours_tflops"] = layer_flops / world / (best * 1e-3) / 1e12
-            row["ours_pct_peak"] = 100 * row["ours_tflops"] / PEAK_TFLOPS[precision]
+            row["ours_gbs"] = row["bytes"] / (best * 1e-3) / 1e9
+            rows_total = tokens * k // world + (tokens if cfg.shared_intermediate_size else 0)
+            row["plain_gemm_tflops"] = _plain_gemm_tflops(device, fp8, rows_total, hidden, 2 * inter // world)
+            row["frac_of_gemm"] = row["ours_tflops"] / row["plain_gemm_tflops"]
             row["floor_us"] = floor_us
             row["ours_over_floor"] = best * 1e3 / floor_us
             if row.get("torch_gmm_ms"):
@@ -205,14 +213,32 @@ def job(rank: int, world: int, args) -> None:
     if rank == 0:
         cols = ["precision", "tokens", "eager_ms", "torch_gmm_ms", "torch_gmm_graph_ms", "ours_ms", "ours_graph_ms",
                 *(["ours_alltoall_ms"] if world > 1 else []),
-                "x_vs_torch_gmm", "x_vs_eager", "ours_tflops", "ours_pct_peak", "floor_us", "ours_over_floor",
-                "err_ours", "err_torch_gmm"]
+                "x_vs_torch_gmm", "x_vs_eager", "ours_tflops", "plain_gemm_tflops", "frac_of_gemm", "ours_gbs",
+                "floor_us", "ours_over_floor", "err_ours", "err_torch_gmm"]
         table = print_table(rows, cols, title=f"MoE layer, preset {args.preset}, EP {world} "
                                                f"({'per GPU' if world > 1 else 'one GPU'}), medians of {args.repeats}")
         if args.json:
             write_json(args.json, {"benchmark": "moe_layer", "preset": args.preset, "ep": world,
-                                   "peak_tflops": PEAK_TFLOPS, "hbm_bytes_per_s": HBM_BYTES_PER_S,
-                                   "rows": rows, "table": table})
+                                   "copy_gbs": copy_gbs, "rows": rows, "table": table})
+
+
+def _plain_gemm_tflops(device: torch.device, fp8: bool, m: int, k: int, n: int) -> float:
+    """The rate of ONE plain GEMM with the layer's total rows and K, measured now: torch.mm in BF16,
+    torch._scaled_mm with 1 x 128 / 128 x 128 block scales in FP8 (minimax::fp8_block_gemm)."""
+    from minimax_backend.kernels.fp8 import quantize_weight_fp8
+    from minimax_backend.tools.bench_common import graph_median_ms, median_ms
+
+    m = max(m, 1)
+    a = torch.randn(m, k, device=device).to(torch.bfloat16)
+    w = torch.randn(n, k, device=device).to(torch.bfloat16)
+    if fp8:
+        aq, as_ = torch.ops.minimax.quantize_fp8(a, 128)
+        wq, ws = quantize_weight_fp8(w)
+        fn = lambda: torch.ops.minimax.fp8_block_gemm(aq, as_, wq, ws, torch.bfloat16)  # noqa: E731
+    else:
+        fn = lambda: a @ w.t()  # noqa: E731
+    ms = graph_median_ms(fn) if device.type == "cuda" else median_ms(fn, warmup=1, repeats=3)
+    return 2.0 * m * k * n / (ms * 1e-3) / 1e12
 
 
 def blk_route(blk, x):
