@@ -4,13 +4,18 @@
     results = run_multirank(fn, world_size=2, args=(...), timeout=120)
 
 `fn(rank, world_size, *args)` must be a module-level function (it is pickled
-by name into spawned processes). Each rank gets a gloo default process group
-on 127.0.0.1 and a free port, one intra-op thread (the test machine is small),
-and returns a picklable value (tensors allowed): the list of all ranks'
-return values comes back in rank order. An exception on any rank is raised
+by name into the rank processes). Each rank gets a gloo default process group
+on 127.0.0.1 and a free port, one intra-op thread (the test machine is small)
+and the caller's environment variables, and returns a picklable value (tensors
+allowed): the list of all ranks' return values comes back in rank order. An exception on any rank is raised
 here as RankError naming the rank, with its traceback; a rank that does not
 finish within `timeout` seconds kills all ranks and raises TimeoutError, so a
 hung collective never hangs the test run.
+
+Ranks start from a forkserver that imported torch and the package once
+(a fresh spawned interpreter spends 2-4 s importing them, per rank, per
+call, on the 2-core CI machine); they are still fresh processes: nothing
+from the test process (compiled graphs, Dynamo caches, threads) reaches them.
 """
 
 from __future__ import annotations
@@ -48,8 +53,28 @@ def _dumps(obj) -> bytes:
     return buf.getvalue()
 
 
-def _worker(rank, world_size, port, fn, args, kwargs, results, pg_timeout):
+# imported once in the forkserver; every rank forks from there
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "minimax_backend.model.minimax",
+            "minimax_backend.graph_passes"]
+_CONTEXT = None
+
+
+def _context():
+    global _CONTEXT
+    if _CONTEXT is None:
+        if "forkserver" in mp.get_all_start_methods():
+            _CONTEXT = mp.get_context("forkserver")
+            _CONTEXT.set_forkserver_preload(_PRELOAD)
+        else:
+            _CONTEXT = mp.get_context("spawn")
+    return _CONTEXT
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, results, pg_timeout, environ):
     try:
+        # the forkserver's environment is the one of its start; ranks get the caller's of now
+        os.environ.clear()
+        os.environ.update(environ)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
@@ -64,12 +89,12 @@ def _worker(rank, world_size, port, fn, args, kwargs, results, pg_timeout):
 
 
 def run_multirank(fn, world_size: int, args: tuple = (), kwargs: dict | None = None, timeout: float = 180.0):
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs or {}, results, timeout),
-                    daemon=True)
+        ctx.Process(target=_worker, daemon=True,
+                    args=(r, world_size, port, fn, args, kwargs or {}, results, timeout, dict(os.environ)))
         for r in range(world_size)
     ]
     for p in procs:
