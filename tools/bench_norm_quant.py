@@ -56,6 +56,7 @@ GROUP = 128
 EPS = 1e-6
 M_LIST = [128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 DEV = "cuda"  # "cpu" under --dry-run
+SWEEP_WARPS, SWEEP_ROWS = (2, 4, 8, 16), (1, 2, 4)  # the launch configs the kernel part sweeps
 GEMM_SHAPES = ((4608, 6144, "qkv"), (6144, 4096, "o_proj"))  # (N, K): QKV and o_proj at TP 2
 
 
@@ -141,8 +142,8 @@ def part_kernel(args, median_ms, bw) -> list[dict]:
         row["other_layout_fp8_equal_frac"] = float((other[0].view(torch.uint8) == ref[0].view(torch.uint8)).float().mean())
         sweep = {}
         for split in (False, True):
-            for nw in (2, 4, 8, 16):
-                for rpp in (1, 2, 4):
+            for nw in SWEEP_WARPS:
+                for rpp in SWEEP_ROWS:
                     sweep[(nw, rpp, split)] = median_ms(lambda: fused(nw, rpp, split), args.warmup, args.repeats)
         best = min(sweep, key=sweep.get)
         cfg = launch_config(HIDDEN, GROUP, m)
@@ -282,7 +283,7 @@ def job(rank: int, world: int, args) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor is "deprecated" in 2.13
-    global DEV, GEMM_SHAPES
+    global DEV, GEMM_SHAPES, SWEEP_WARPS, SWEEP_ROWS
     kernel_ms = median_ms
     if args.graphs:  # single-GPU parts: CUDA-graph replays (a Python launch is as long as the kernel)
         def kernel_ms(fn, warmup, repeats):
@@ -291,6 +292,7 @@ def job(rank: int, world: int, args) -> None:
         DEV, median_ms = "cpu", _wall_ms
         kernel_ms = _wall_ms
         GEMM_SHAPES = ((384, 512, "qkv"), (512, 256, "o_proj"))
+        SWEEP_WARPS, SWEEP_ROWS = (4,), (1, 4)  # the interpreter ignores warps; each config is seconds there
 
     torch._dynamo.config.cache_size_limit = 64
     t0 = time.time()
