@@ -10,10 +10,11 @@ in front of the MoE, which quantizes inside its own op), up to
 ``allreduce_fusion_max_tokens`` tokens, the size where serving engines use a
 one-shot all-reduce with the norm in its epilogue.
 
-The op's implementation is still the unfused sequence on every device
-(kernels/allreduce_norm.py): the graph has the fused form, the single kernel
-for several GPUs is not written yet. So the auto rule keeps the pass off;
-``fuse_allreduce_norm_quant='on'`` runs it (tests, and the kernel's work).
+The op runs the unfused sequence by default (kernels/allreduce_norm.py); its
+one-kernel CUDA path over symmetric memory (kernels/allreduce_norm_cuda.py,
+kernel option allreduce_norm=symm_mem) has been checked in the CPU interpreter
+only, not yet run or timed on several GPUs. So the auto rule keeps the pass
+off; ``fuse_allreduce_norm_quant='on'`` runs it (tests, and those GPU runs).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class FuseAllReduceNormQuantPass(CandidatePass):
         return super().decide(gm, ctx)
 
     def auto_rule(self, gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
-        return "off until its single-kernel CUDA implementation exists (set 'on' to rewrite the graph)"
+        return ("off until its single-kernel CUDA path (MINIMAX_ALLREDUCE_NORM=symm_mem) has run and been timed on "
+                "several GPUs (set 'on' to rewrite the graph)")
 
     def candidates(self, gm: torch.fx.GraphModule, ctx: PassContext) -> list[torch.fx.Node]:
         return find_norms_after_all_reduce(gm.graph)

@@ -17,10 +17,11 @@ Below the sequence-parallel token floor every block ends in an all-reduce that
 the next RMSNorm and its quantization read; serving engines fuse the four into
 one kernel (one-shot / two-shot all-reduce over symmetric memory with the add,
 the norm and the quantization in its epilogue). The implementation here is the
-unfused sequence (the functional all-reduce, then minimax::rms_norm_quant_fp8),
-on every device: the numerical reference, and today also the CUDA path. The
-single-kernel CUDA implementation needs several GPUs to build and measure and
-is not written yet (docs/measurements/2026-12-01.md says what is left).
+unfused sequence (the functional all-reduce, then minimax::rms_norm_quant_fp8):
+the numerical reference, and the default on every device. The one-kernel CUDA
+path (kernels/allreduce_norm_cuda.py) is behind the kernel option
+allreduce_norm=symm_mem until it has run on several GPUs
+(docs/measurements/2026-12-01.md says what is left).
 """
 
 from __future__ import annotations

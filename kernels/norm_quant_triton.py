@@ -143,8 +143,8 @@ if HAVE_TRITON:
     @triton.jit
     def _norm_quant_tile(h, rstd, w, q_ptr, s_ptr, y_ptr, row, M, stride_q, stride_s, stride_y, col, cmask,
                          g0, n_groups, NG: tl.constexpr, GEMMA: tl.constexpr, WANT_Y: tl.constexpr,
-                         ROUND_BF16: tl.constexpr, NORM: tl.constexpr):
-        """y = norm(h) (NORM) or h, then its 1 x G quantization: the tile's FP8 data and scales."""
+                         ROUND_BF16: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr):
+        """y = norm(h) (NORM) or h, then (QUANT) its 1 x G quantization: the tile's FP8 data and scales."""
         mask = cmask & ((col * 0 + row) < M)
         row64 = row.to(tl.int64)
         y = h
@@ -162,17 +162,18 @@ if HAVE_TRITON:
                     y = _round_to_bf16(y)
         if WANT_Y:
             tl.store(y_ptr + row64 * stride_y + col, y.to(y_ptr.dtype.element_ty), mask=mask)
-        # One power-of-two scale per group: 2 ** ceil(log2(amax / 448)) from the exponent bits.
-        amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-30)  # [NG]
-        v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        vb = v.to(tl.int32, bitcast=True)
-        e = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the scale
-        scale = (e << 23).to(tl.float32, bitcast=True)
-        inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
-        q = tl.minimum(tl.maximum(y * inv[:, None], -448.0), 448.0)
-        tl.store(q_ptr + row64 * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=mask)
-        g1 = g0 + tl.arange(0, NG)
-        tl.store(s_ptr + row64 * stride_s + g1, scale, mask=(g1 < n_groups) & ((g1 * 0 + row) < M))
+        if QUANT:
+            # One power-of-two scale per group: 2 ** ceil(log2(amax / 448)) from the exponent bits.
+            amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-30)  # [NG]
+            v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            vb = v.to(tl.int32, bitcast=True)
+            e = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the scale
+            scale = (e << 23).to(tl.float32, bitcast=True)
+            inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
+            q = tl.minimum(tl.maximum(y * inv[:, None], -448.0), 448.0)
+            tl.store(q_ptr + row64 * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=mask)
+            g1 = g0 + tl.arange(0, NG)
+            tl.store(s_ptr + row64 * stride_s + g1, scale, mask=(g1 < n_groups) & ((g1 * 0 + row) < M))
 
     @triton.jit
     def _rms_norm_quant_fp8_kernel(
@@ -223,10 +224,10 @@ if HAVE_TRITON:
                 var = tl.math.div_rn(ss, K_f) + eps
                 rstd = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.math.sqrt_rn(var))
             _norm_quant_tile(h_a, rstd, w_a, q_ptr, s_ptr, y_ptr, row, M, stride_q, stride_s, stride_y, col_a,
-                             cmask_a, 0, n_groups, NG, GEMMA, WANT_Y, ROUND_BF16, NORM)
+                             cmask_a, 0, n_groups, NG, GEMMA, WANT_Y, ROUND_BF16, NORM, True)
             if NG_B > 0:
                 _norm_quant_tile(h_b, rstd, w_b, q_ptr, s_ptr, y_ptr, row, M, stride_q, stride_s, stride_y,
-                                 col_b, cmask_b, NG, n_groups, NG_B, GEMMA, WANT_Y, ROUND_BF16, NORM)
+                                 col_b, cmask_b, NG, n_groups, NG_B, GEMMA, WANT_Y, ROUND_BF16, NORM, True)
 
 
 def rms_norm_quant_fp8_triton(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,

@@ -25,6 +25,7 @@ environment, so a launcher sets the variables before it starts them.
 | gemm_rs_push     | MINIMAX_GEMM_RS_PUSH     | copy    | copy, store                      | store: the GEMMs write the peers' buffers over NVLink instead of the copy engine pushing a local copy |
 | gemm_rs_pieces   | MINIMAX_GEMM_RS_PIECES   | (unset) | a whole number >= 1              | pieces per row block instead of push_pieces' rule (2, or 1 for sum_after above K = 2048) |
 | fp8_gemm         | MINIMAX_FP8_GEMM         | auto    | auto, scaled_mm, triton          | the FP8 block GEMM's backend (auto: cuBLAS blockwise where trusted, else Triton) |
+| allreduce_norm   | MINIMAX_ALLREDUCE_NORM   | unfused | unfused, symm_mem                | symm_mem: allreduce_rms_norm_quant as one kernel over symmetric memory (not yet run on GPUs) instead of NCCL all-reduce + the norm kernel |
 
 The non-default values are the slower paths kept to compare against, or pin
 what the kernels choose by shape (figures: docs/measurements/2026-11-30.md,
@@ -41,7 +42,10 @@ docs/kernel-notes.md). Who runs them:
 * gemm_rs_push=store was slower on the H200 (NVLink 4) and is kept to
   re-measure on other NVLink generations;
 * fp8_gemm: the GPU tests run both backends; moe_tiles: to try tiles by hand
-  (set it for a run of tools/profile_moe.py or tools/bench_moe.py).
+  (set it for a run of tools/profile_moe.py or tools/bench_moe.py);
+* allreduce_norm=symm_mem: the fused kernel's math runs in the CPU interpreter
+  tests (tests/test_allreduce_norm_kernel.py); the symmetric-memory part needs
+  several GPUs and has not run yet, so it is not the default.
 
 tests/test_kernel_options.py checks this table against the declarations.
 """
@@ -105,6 +109,9 @@ class KernelOptions:
     fp8_gemm: str = _switch(
         "MINIMAX_FP8_GEMM", "auto", "the FP8 block GEMM's backend (auto: cuBLAS blockwise where trusted, else Triton)",
         choices=("auto", "scaled_mm", "triton"))
+    allreduce_norm: str = _switch(
+        "MINIMAX_ALLREDUCE_NORM", "unfused", "symm_mem: allreduce_rms_norm_quant as one kernel over symmetric "
+        "memory (not yet run on GPUs) instead of NCCL all-reduce + the norm kernel", choices=("unfused", "symm_mem"))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -18,14 +18,11 @@ Tolerances (relative to max |reference|):
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from conftest import tiny_m2_config, tiny_m3_config
+from interpreted import INTERPRETING, run_this_file_interpreted
 from minimax_backend.kernels import moe as K
 from minimax_backend.kernels import moe_parallel as P
 from minimax_backend.kernels import moe_reference as R
@@ -33,7 +30,6 @@ from minimax_backend.kernels.options import override_kernel_options
 
 triton = pytest.importorskip("triton", reason="the Triton MoE path needs triton (pip install triton)")
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # The non-default MoE kernel switches (kernels/options.py), as option=value.
 OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch"]
 
@@ -46,12 +42,7 @@ def _switched(switch: str):
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the child")
 def test_in_interpreter_child():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", os.path.abspath(__file__)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    tail = (r.stdout[-6000:] + "\n" + r.stderr[-3000:]).strip()
-    assert r.returncode == 0, f"interpreter tests failed:\n{tail}"
-    assert " passed" in r.stdout and " skipped" in r.stdout  # ran the real tests, skipped this one
+    run_this_file_interpreted(__file__, "-m", "not gpu")
 
 
 # -------------------------------------------------------- align_by_expert

@@ -17,18 +17,14 @@ in bfloat16 (one bf16 rounding of the inputs of each product).
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from interpreted import INTERPRETING, in_child, run_this_file_interpreted
 from minimax_backend.kernels import msa
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-in_child = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child (test_in_interpreter_child)")
 
 
 def _case(batch, seq, slots, heads, dim, seed, dtype=torch.float32, prefill_from_zero=False):
@@ -159,14 +155,7 @@ def test_fakes_and_errors():
 # ---------------------------------------------------------- Triton kernels
 @pytest.mark.skipif(INTERPRETING, reason="this is the child")
 def test_in_interpreter_child():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    tail = (r.stdout[-6000:] + "\n" + r.stderr[-3000:]).strip()
-    assert r.returncode == 0, f"interpreter tests failed:\n{tail}"
-    assert " passed" in r.stdout and " skipped" in r.stdout
-    print(r.stdout.strip().splitlines()[-1])
+    run_this_file_interpreted(__file__)
 
 
 SHAPES = [  # batch, seq, slots, index heads, index dim, block, topk, local, init, Hq, Hkv, d, from zero

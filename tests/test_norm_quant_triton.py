@@ -25,32 +25,21 @@ TRITON_INTERPRET=1, where the other tests run; in the parent they skip.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from interpreted import INTERPRETING, in_child, run_this_file_interpreted
 from minimax_backend.kernels.fp8 import FP8_DTYPE
 from minimax_backend.kernels.norm_quant import rms_norm_quant_fp8_reference
 
 pytest.importorskip("triton")
 
 E4M3_MIN_NORMAL = 2.0**-6
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-in_child = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child (test_in_interpreter_child)")
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the child")
 def test_in_interpreter_child():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    tail = (r.stdout[-6000:] + "\n" + r.stderr[-3000:]).strip()
-    assert r.returncode == 0, f"interpreter tests failed:\n{tail}"
-    assert " passed" in r.stdout and " skipped" in r.stdout  # ran the real tests, skipped this one
-    print(r.stdout.strip().splitlines()[-1])
+    run_this_file_interpreted(__file__)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,38 @@
+"""Kernel tests that run in Triton's interpreter on the CPU (TRITON_INTERPRET=1).
+
+Triton picks interpreter or compiler when it is imported, and the test process
+has imported it long before; so a kernel test file re-runs itself in a child
+started with TRITON_INTERPRET=1, where its `in_child` tests run (they skip in
+the parent):
+
+    from interpreted import INTERPRETING, in_child, run_this_file_interpreted
+
+    @pytest.mark.skipif(INTERPRETING, reason="this is the child")
+    def test_in_interpreter_child():
+        run_this_file_interpreted(__file__)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+__all__ = ["INTERPRETING", "in_child", "run_this_file_interpreted"]
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+in_child = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child (test_in_interpreter_child)")
+
+
+def run_this_file_interpreted(test_file: str, *pytest_args: str, timeout: float = 900) -> None:
+    """Run the file's tests in a TRITON_INTERPRET=1 child; fail with the child's output if any fails."""
+    pytest.importorskip("triton", reason="the kernels need triton (pip install triton)")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *pytest_args, os.path.abspath(test_file)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    tail = (r.stdout[-6000:] + "\n" + r.stderr[-3000:]).strip()
+    assert r.returncode == 0, f"interpreter tests failed:\n{tail}"
+    assert " passed" in r.stdout and " skipped" in r.stdout  # ran the real tests, skipped the parent's
+    print(r.stdout.strip().splitlines()[-1])
