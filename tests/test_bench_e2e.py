@@ -16,7 +16,7 @@ def test_bench_e2e_smoke_on_cpu(tmp_path):
     out = tmp_path / "e2e.json"
     bench_e2e.main(["--device", "cpu", "--preset", "tiny-m3-fp8", "--tp", "2", "--ep", "2", "--prefill", "15",
                     "--decode-batch", "2", "--context", "32", "--variants", "torch-grouped", "minimax",
-                    "--repeats", "1", "--warmup", "0", "--json", str(out)])
+                    "--repeats", "1", "--warmup", "0", "--profile", "1", "--json", str(out)])
     d = json.loads(out.read_text())
     assert [(r["workload"], r["tokens"]) for r in d["rows"]] == [("prefill", 15), ("decode", 2)]
     for row in d["rows"]:
@@ -26,6 +26,9 @@ def test_bench_e2e_smoke_on_cpu(tmp_path):
         assert row["minimax_x_vs_torch-grouped"] > 0
         # the baseline computes the same model (row-wise FP8 experts: a few percent off)
         assert row["torch-grouped_argmax"] >= 0.5 and row["torch-grouped_rel_err"] < 0.5
+        for v in ("torch-grouped", "minimax"):  # --profile: the top ops of one call (ATen ops on CPU)
+            assert row[f"{v}_kernels"] and row[f"{v}_kernel_us"] > 0
+            assert all(k["us_per_call"] >= 0 and k["name"] for k in row[f"{v}_kernels"])
     prefill, decode = d["rows"]
     assert prefill["minimax_tflops"] > 0 and 0 < prefill["minimax_frac_of_gemm"]
     assert decode["floor_ms"] > 0 and decode["minimax_over_floor"] > 0

@@ -104,6 +104,41 @@ def gpu_timeline(events) -> list[dict[str, Any]]:
              "stream": e.device_resource_id, "name": e.name} for e in gpu]
 
 
+def kernel_profile(fn: Callable[[], Any], calls: int, device: torch.device) -> tuple[dict[str, tuple[float, int]], float]:
+    """{kernel name: (total us, launches)} over `calls` calls of fn, and the total us.
+
+    On a GPU the device kernels (and copies) torch.profiler records; on the CPU
+    (smoke runs) the leaf ATen ops' self time."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    per_name: dict = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        on_device = ev.device_type == torch.autograd.DeviceType.CUDA
+        if (device.type == "cuda") != on_device:
+            continue
+        if device.type == "cpu" and not ev.name.startswith("aten::"):
+            continue
+        entry = per_name[ev.name]
+        entry[0] += ev.device_time_total if on_device else ev.self_cpu_time_total
+        entry[1] += 1
+    return {k: (v[0], v[1]) for k, v in per_name.items()}, sum(v[0] for v in per_name.values())
+
+
+def top_kernels(kernels: dict[str, tuple[float, int]], total_us: float, calls: int, top: int) -> list[dict[str, Any]]:
+    """The `top` kernels of a kernel_profile by time: us and launches per call, share of the total."""
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return [{"name": name[:90], "us_per_call": us / calls, "launches_per_call": n / calls,
+             "share": us / total_us if total_us else 0.0} for name, (us, n) in rows[:top]]
+
+
 def copy_bandwidth_gbs(device: torch.device) -> float:
     """Device-to-device copy of 1 GiB (bytes read + written per second, GB/s): the memory ceiling."""
     n = (1 << 30) if device.type == "cuda" else (1 << 20)

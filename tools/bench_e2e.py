@@ -14,7 +14,9 @@ values: the attention cost does not depend on them). Variants:
   torch-grouped    THE BASELINE: the model as a careful torch user writes it for
                    speed (tools/torch_baseline.py: grouped-GEMM experts, plain-torch
                    FP8 quantization) under torch.compile(mode="reduce-overhead")
-  minimax          backend="minimax", every default (passes + CUDA graphs)
+  minimax          backend="minimax", every default (passes + CUDA graphs), except that
+                   replays return the graph's own outputs, valid until the next call
+                   (cudagraph_copy_outputs off), as the baseline's graphs do
   minimax-no-X     the same with X off (moe = no MoE rewrite at all, sp, normquant,
                    gemmrs, megamoe, cudagraphs)
   eager            the plain model as written (the numerics reference)
@@ -70,7 +72,9 @@ def make_variant(name: str, model, tp: int, ep: int, baseline_model=None):
         return torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
     import minimax_backend.graph_passes as gp
 
-    options = {"tp_size": tp, "ep_size": ep, **ABLATIONS.get(name, {})}
+    # Outputs valid until the next call, the contract of the baseline's reduce-overhead graphs
+    # (our default copies them out of the graph: at prefill 8k that is 3.3 GB of logits, ~1.5 ms)
+    options = {"tp_size": tp, "ep_size": ep, "cudagraph_copy_outputs": False, **ABLATIONS.get(name, {})}
     return gp.compile(model, dynamic=False, **options)
 
 
@@ -111,7 +115,7 @@ def job(rank: int, world: int, args) -> None:
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState
     from minimax_backend.model.random_weights import fast_random_weights
-    from minimax_backend.tools.bench_common import median_ms, write_json
+    from minimax_backend.tools.bench_common import kernel_profile, median_ms, top_kernels, write_json
     from minimax_backend.tools.run_job import compare_logits, sync_device
 
     for name in ("recompile_limit", "cache_size_limit"):
@@ -186,6 +190,10 @@ def job(rank: int, world: int, args) -> None:
                     compile_info[f"{label}/{name}"] = {
                         "passes": [{k: p.get(k) for k in ("name", "enabled", "matches", "skipped")} for p in new[-1]["passes"]],
                         "cudagraphs": new[-1].get("cudagraphs"), "timings_s": new[-1].get("timings_s")}
+                if args.profile and name in ("minimax", "torch-grouped"):
+                    kernels, total_us = kernel_profile(lambda: fn(ids, pos), args.profile, device)
+                    row[f"{name}_kernels"] = top_kernels(kernels, total_us, args.profile, 25)
+                    row[f"{name}_kernel_us"] = total_us / args.profile
                 extra = f", rel err {row.get(f'{name}_rel_err', 0) or 0:.2e}" if name != "eager" else ""
                 progress(f"{label}: {name:<22} {ms:8.3f} ms (first call {first:5.1f}s{extra})")
             for name in args.variants:
@@ -252,6 +260,12 @@ def _tables(rows, variants) -> None:
         print_table(part, ratio_cols, title=f"{kind}: speed-up of minimax (other / minimax)")
         err_cols = [key] + [c for c in part[0] if c.endswith("_rel_err") or c.endswith("_argmax")]
         print_table(part, err_cols, title=f"{kind}: logits vs eager")
+        for r in part:
+            for name in ("minimax", "torch-grouped"):
+                if f"{name}_kernels" in r:
+                    print_table(r[f"{name}_kernels"][:12], ["us_per_call", "launches_per_call", "share", "name"],
+                                title=f"{kind} {r[key]}: {name}, top kernels "
+                                      f"({r[f'{name}_kernel_us']:.0f} us of kernels per call)")
 
 
 def main(argv=None) -> None:
@@ -270,6 +284,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--preset", default="m3-slice", help="model shape (tiny-m3 for a CPU smoke run)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                   help="also profile CALLS calls of minimax and torch-grouped: their top kernels in the JSON and tables")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -24,37 +24,12 @@ only check the script.
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 import torch
 
 
-def _profile(fn, calls: int, device: torch.device) -> tuple[dict, float]:
-    """{name: (total time us, launches)} over `calls` calls, and the time unit's total."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        for _ in range(calls):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    per_name: dict = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        on_device = ev.device_type == torch.autograd.DeviceType.CUDA
-        if (device.type == "cuda") != on_device:
-            continue
-        us = ev.device_time_total if on_device else ev.self_cpu_time_total
-        if device.type == "cpu" and not ev.name.startswith("aten::"):
-            continue  # the CPU smoke run: leaf ATen ops only
-        entry = per_name[ev.name]
-        entry[0] += us
-        entry[1] += 1
-    return {k: tuple(v) for k, v in per_name.items()}, sum(v[0] for v in per_name.values())
-
-
 def profile_tokens(w_args, hidden: int, tokens: int, calls: int, top: int, device: torch.device) -> dict:
-    from minimax_backend.tools.bench_common import graphed, median_ms
+    from minimax_backend.tools.bench_common import graphed, kernel_profile, median_ms, top_kernels
 
     x = torch.randn(tokens, hidden, device=device, generator=torch.Generator(device).manual_seed(tokens))
     x = x.to(torch.bfloat16)
@@ -66,15 +41,13 @@ def profile_tokens(w_args, hidden: int, tokens: int, calls: int, top: int, devic
     ours()
     run = graphed(ours) if device.type == "cuda" else ours
     call_ms = median_ms(run, 3, 10)
-    kernels, total_us = _profile(run, calls, device)
-    rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    kernels, total_us = kernel_profile(run, calls, device)
     return {
         "tokens": tokens,
         "call_us": call_ms * 1e3,
         "kernel_us_per_call": total_us / calls,
         "kernels_per_call": sum(n for _, n in kernels.values()) / calls,
-        "top": [{"name": name[:90], "us_per_call": us / calls, "launches_per_call": n / calls,
-                 "share": us / total_us if total_us else 0.0} for name, (us, n) in rows[:top]],
+        "top": top_kernels(kernels, total_us, calls, top),
     }
 
 

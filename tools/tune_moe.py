@@ -1,0 +1,133 @@
+"""Tile sweep of the MoE grouped GEMMs: each kernel's time per tile config (one device).
+
+    python -m minimax_backend.tools.tune_moe --tokens 512 4096 16384 --json tune.json      # one H200
+    python -m minimax_backend.tools.tune_moe --device cpu --preset tiny-m3 --tokens 5 --precisions bf16 \\
+        --configs 16,128,64,4,2                                                              # smoke run
+
+The layer is bench_moe's (preset `m3`: 128 experts, top-4, one shared expert,
+random weights and routing from its router). For every token count,
+precision and tile config (BM,BN,BK,warps,stages[,BN_DOWN], as the kernel
+option moe_tiles takes it) the experts' grouped GEMMs
+(kernels/moe_triton.py: grouped_gated_mlp with the shared expert merged) run
+in a CUDA graph; torch.profiler gives each kernel's time per call, so the
+gate/up and down kernels can be tuned apart. TFLOP/s count the useful
+multiply-adds (the routed pairs and the shared expert's rows, no padding).
+The table tile_config() ships (kernels/moe_triton.py) is chosen from these
+runs: docs/kernel-notes.md#moe-tiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+FP8_CONFIGS = ["64,128,128,4,3", "64,128,128,4,4", "64,128,128,8,3", "64,128,128,8,4",
+               "128,128,128,8,3", "128,128,128,8,4", "128,128,128,4,3"]
+BF16_CONFIGS = ["64,128,64,4,3", "64,128,64,4,4", "64,128,64,8,4", "128,128,64,8,3", "128,128,64,8,4",
+                "128,128,64,4,3", "128,64,64,4,4"]
+
+
+def _parse(config: str) -> dict:
+    vals = [int(v) for v in config.split(",")]
+    if len(vals) not in (5, 6):
+        raise SystemExit(f"--configs: {config!r}: expected BM,BN,BK,warps,stages[,BN_DOWN]")
+    bm, bn, bk, warps, stages = vals[:5]
+    return {"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages,
+            "BN_DOWN": vals[5] if len(vals) == 6 else bn}
+
+
+def _kind(name: str) -> str:
+    for key, kind in (("gate_up", "gate_up"), ("down", "down"), ("combine", "combine"), ("quant", "quant")):
+        if key in name:
+            return kind
+    return "other"
+
+
+def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.device) -> list[dict]:
+    from minimax_backend.kernels.moe import block_op_args
+    from minimax_backend.kernels.moe_triton import grouped_gated_mlp
+    from minimax_backend.tools.bench_common import graphed, kernel_profile, median_ms
+    from minimax_backend.tools.bench_moe import blk_route
+
+    a = block_op_args(blk)
+    gen = torch.Generator(device).manual_seed(tokens)
+    x = torch.randn(tokens, cfg.hidden_size, device=device, generator=gen).to(torch.bfloat16)
+    ids, weights = blk_route(blk, x)
+    fp8 = bool(a[4])
+    shared = (a[6], a[7], a[8], a[9]) if a[6] is not None else None
+    h, n, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts_per_tok
+    n_sh = cfg.shared_intermediate_size if shared is not None else 0
+    flops_gate_up = 2.0 * h * 2 * (tokens * k * n + tokens * n_sh)
+    flops_down = 2.0 * h * (tokens * k * n + tokens * n_sh)
+    rows = []
+    for c in configs:
+        tiles = _parse(c)
+
+        def call():
+            return grouped_gated_mlp(x, ids, weights, a[2], a[3], a[4] or None, a[5] or None, a[13], a[14],
+                                     a[15], a[16], a[17], len(a[2]), config=tiles, shared=shared)
+
+        try:
+            call()
+            run = graphed(call) if device.type == "cuda" else call
+            ms = median_ms(run, 2, 10)
+            kernels, _ = kernel_profile(run, calls, device)
+        except Exception as e:  # a config that does not compile or fit: say so, keep sweeping
+            rows.append({"tokens": tokens, "config": c, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            print(f"[tune_moe] {tokens} tokens {c}: {rows[-1]['error']}", flush=True)
+            continue
+        per_kind: dict = {}
+        for name, (us, _) in kernels.items():
+            per_kind[_kind(name)] = per_kind.get(_kind(name), 0.0) + us / calls
+        row = {"tokens": tokens, "config": c, "call_us": ms * 1e3,
+               "gate_up_us": per_kind.get("gate_up", 0.0), "down_us": per_kind.get("down", 0.0),
+               "rest_us": sum(v for kk, v in per_kind.items() if kk not in ("gate_up", "down"))}
+        for kernel, fl in (("gate_up", flops_gate_up), ("down", flops_down)):
+            us = row[f"{kernel}_us"]
+            row[f"{kernel}_tflops"] = fl / (us * 1e-6) / 1e12 if us else None
+        row["layer_tflops"] = (flops_gate_up + flops_down) / (ms * 1e-3) / 1e12
+        row["fp8"] = fp8
+        rows.append(row)
+        print(f"[tune_moe] {'fp8' if fp8 else 'bf16'} {tokens} tokens {c}: call {row['call_us']:.0f} us, "
+              f"gate_up {row['gate_up_us']:.0f} us ({row['gate_up_tflops'] or 0:.0f} TFLOP/s), "
+              f"down {row['down_us']:.0f} us ({row['down_tflops'] or 0:.0f} TFLOP/s)", flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 4096, 16384])
+    p.add_argument("--precisions", nargs="+", choices=["bf16", "fp8"], default=["fp8", "bf16"])
+    p.add_argument("--configs", nargs="+", help="tile configs BM,BN,BK,warps,stages[,BN_DOWN] (default: a sweep "
+                                                 "per precision)")
+    p.add_argument("--preset", default="m3")
+    p.add_argument("--calls", type=int, default=3, help="profiled calls per config")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA GPU (use --device cpu --preset tiny-m3 for a smoke run)")
+    import minimax_backend.kernels  # noqa: F401  (registers the ops)
+    from minimax_backend.tools.bench_common import print_table, write_json
+    from minimax_backend.tools.bench_moe import build_block
+
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    rows = []
+    for precision in args.precisions:
+        fp8 = precision == "fp8"
+        cfg, blk = build_block(args.preset, 0, 1, fp8, device)
+        configs = args.configs or (FP8_CONFIGS if fp8 else BF16_CONFIGS)
+        for tokens in args.tokens:
+            with torch.no_grad():
+                rows += [dict(r, precision=precision) for r in sweep(blk, cfg, tokens, configs, args.calls, device)]
+        del blk
+    ok = [r for r in rows if "error" not in r]
+    print_table(ok, ["precision", "tokens", "config", "call_us", "gate_up_us", "gate_up_tflops", "down_us",
+                     "down_tflops", "rest_us", "layer_tflops"], title="MoE grouped GEMMs per tile config")
+    if args.json:
+        write_json(args.json, {"benchmark": "moe_tiles", "preset": args.preset, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
