@@ -1,11 +1,17 @@
 """A static, preallocated KV cache: one K and one V buffer per attention layer.
 
 Buffers are [batch, local_kv_heads, max_len, head_dim]. A forward writes the
-new keys and values at their `positions` (a scatter, which torch.compile
-functionalizes into a copy back to the buffer) and attends over the whole
-buffer with the mask k_pos <= q_pos. So one model does prefill (positions
+new keys and values at their `positions` and attends over the whole buffer
+with the mask k_pos <= q_pos. So one model does prefill (positions
 0..P-1) and decode (position t) with the same code, and static shapes.
 Slots past the current position are masked, whatever they hold.
+
+The writes are indexed assignments (`index_put_`), not `scatter_`: compiled,
+both become a functional op plus a copy back into the buffer, and Inductor
+turns `index_put` back into an in-place write of the new rows only, while a
+functional `scatter` stays a rewrite of the whole buffer, twice per step
+(at decode, batch 64 with an 8k cache, about 1 GB per layer and per K or V:
+docs/measurements/2026-12-02.md).
 
 Sparse (MSA) layers keep one more buffer, the index-K cache [batch, max_len,
 index_head_dim]: the indexer's single key head per token, written at the same
@@ -42,17 +48,23 @@ class KVCache(nn.Module):
 
     def update(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, h, S, d] at positions [B, S]; return the whole buffers."""
-        index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        self.k.scatter_(2, index, k)
-        self.v.scatter_(2, index, v)
+        rows = _batch_rows(positions)
+        # advanced indices around a slice: the indexed view is [B, S, h, d]
+        self.k[rows, :, positions] = k.transpose(1, 2)
+        self.v[rows, :, positions] = v.transpose(1, 2)
         return self.k, self.v
 
     def update_index(self, index_k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Write the indexer's keys [B, S, D] at positions [B, S]; return the whole index-K buffer."""
         if self.index_k.dim() != 3:
             raise RuntimeError("this KV cache has no index-K buffer (the layer is not a sparse one)")
-        self.index_k.scatter_(1, positions[:, :, None].expand(-1, -1, index_k.shape[2]), index_k)
+        self.index_k[_batch_rows(positions), positions] = index_k
         return self.index_k
+
+
+def _batch_rows(positions: torch.Tensor) -> torch.Tensor:
+    """[B, 1]: each sequence's row in the cache, broadcast against positions [B, S]."""
+    return torch.arange(positions.shape[0], device=positions.device)[:, None]
 
 
 def cache_mask(positions: torch.Tensor, max_len: int) -> torch.Tensor:

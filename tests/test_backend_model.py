@@ -50,3 +50,34 @@ def test_tiny_m3_with_kv_cache_prefill_then_decode():
     # the cache writes are graph input mutations: they must land in the module's buffers
     for (name, b_eager), (_, b_comp) in zip(eager.named_buffers(), comp.named_buffers()):
         torch.testing.assert_close(b_comp, b_eager, rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_decode_writes_the_kv_cache_in_place_under_inductor():
+    """A decode step writes its new rows into the KV and index-K caches in place: the generated
+    code allocates no buffer of a cache's size (a functional scatter rewrote each whole cache,
+    twice per step), and the buffers end up equal to eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    eager, comp = _model(), _model()
+    batch, max_len = 2, 45  # odd sizes: a cache's shape is not confused with an activation's
+    for m in (eager, comp):
+        m.allocate_kv_cache(batch=batch, max_len=max_len)
+    ids = torch.randint(0, eager.config.vocab_size, (batch, 6), generator=torch.Generator().manual_seed(3))
+    prefill_pos = torch.arange(5).expand(batch, 5)
+    decode_pos = torch.tensor([[5], [5]])
+    f = gp.compile(comp, codegen="inductor", cudagraphs=False)
+    with torch.no_grad():
+        for m in (eager, comp):
+            m(ids[:, :5], prefill_pos)  # eager prefill on both: the compiled call below is the decode step
+        out, code = run_and_get_code(f, ids[:, 5:], decode_pos)
+        ref = eager(ids[:, 5:], decode_pos)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    cache_shapes = {tuple(b.shape) for name, b in comp.named_buffers()
+                    if name.endswith((".k", ".v", ".index_k")) and b.numel()}  # a dense layer: no index-K
+    assert len(cache_shapes) == 2  # KV [B, h, L, d] and index-K [B, L, d]
+    src = "\n".join(code)
+    for shape in cache_shapes:
+        assert f"empty_strided_cpu({shape}" not in src, f"the decode step allocates a whole cache {shape}"
+    for (name, b_eager), (_, b_comp) in zip(eager.named_buffers(), comp.named_buffers()):
+        torch.testing.assert_close(b_comp, b_eager, rtol=1e-4, atol=1e-4, msg=name)
