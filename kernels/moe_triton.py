@@ -48,9 +48,10 @@ interpreter's bf16 tl.dot is wrong (triton 3.9) and its float32 -> bf16
 cast truncates, so the kernels upcast before dot and round with integer ops
 when interpreting, as the GPU's cvt.rn does.
 
-Not done here: tile configs are a first guess per token count, tuned only at
-decode sizes (tools/profile_moe.py); the fused combine writes k rows per
-token (bf16) and sums them, where an atomic-add epilogue would skip that.
+Not done here: the combine writes k rows per token (bf16) and sums them,
+where an atomic-add epilogue would skip that; the grouped GEMMs load through
+cp.async, not TMA, and reach about half of a plain GEMM's rate at prefill
+sizes (docs/kernel-notes.md#moe-tiles).
 """
 
 from __future__ import annotations
@@ -451,21 +452,35 @@ if HAVE_TRITON:
 
 # --------------------------------------------------------------- launching
 def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool = False) -> dict:
-    """BLOCK_M / N / K, warps, stages and the down kernel's BLOCK_N from the average rows per
-    expert (a first guess, tuned where the H200 measured it: docs/kernel-notes.md#moe-tiles)."""
+    """BLOCK_M / N / K, the gate/up kernel's warps and stages, and the down kernel's BLOCK_N,
+    warps and stages, from the average rows per expert (measured on the H200 by
+    tools/tune_moe.py at 4096 and 16384 tokens, by tools/profile_moe.py at decode sizes:
+    docs/kernel-notes.md#moe-tiles). BLOCK_M is one for both kernels: it is the padding
+    of the experts' sorted runs, which the two share."""
     vals = kernel_options().moe_tiles  # BM, BN, BK, warps, stages[, BN_DOWN] (MINIMAX_MOE_TILES)
     if vals is not None:
         bm, bn, bk, warps, stages = vals[:5]
         return {"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages,
-                "BN_DOWN": vals[5] if len(vals) == 6 else bn}
+                "BN_DOWN": vals[5] if len(vals) == 6 else bn, "down_warps": warps, "down_stages": stages}
     avg = tokens * top_k / max(num_experts, 1)
-    bm = 16 if avg <= 16 else 32 if avg <= 48 else 64 if avg <= 192 else 128
     if float32:  # 4-byte tiles: halve K and the pipeline depth to fit the 227 KB of shared memory
-        return {"BM": bm, "BN": 128, "BK": 32, "num_warps": 4 if bm <= 64 else 8, "num_stages": 2, "BN_DOWN": 128}
-    # FP8 decode (BM 16): the down GEMM in 64-column tiles, twice the programs to pull the weights
-    # (faster than 128 at 1 token; measured: docs/kernel-notes.md#moe-tiles)
-    return {"BM": bm, "BN": 128, "BK": 128 if fp8 else 64, "num_warps": 4 if bm <= 64 else 8,
-            "num_stages": 3 if bm <= 64 else 4, "BN_DOWN": 64 if fp8 and bm == 16 else 128}
+        bm = 16 if avg <= 16 else 32 if avg <= 48 else 64 if avg <= 192 else 128
+        warps = 4 if bm <= 64 else 8
+        return {"BM": bm, "BN": 128, "BK": 32, "num_warps": warps, "num_stages": 2, "BN_DOWN": 128,
+                "down_warps": warps, "down_stages": 2}
+    if avg <= 48:  # decode and small prefill: tuned for reading the weights
+        bm = 16 if avg <= 16 else 32
+        # FP8 decode (BM 16): the down GEMM in 64-column tiles, twice the programs to pull the weights
+        return {"BM": bm, "BN": 128, "BK": 128 if fp8 else 64, "num_warps": 4, "num_stages": 3,
+                "BN_DOWN": 64 if fp8 and bm == 16 else 128, "down_warps": 4, "down_stages": 3}
+    # Prefill sizes. The gate/up kernel holds two accumulators (gate and up): 8 warps keep
+    # them, and in FP8 the per-K-step scaled product, in registers (4 warps at BLOCK_M 128
+    # spill: 3-5x slower). FP8 is fastest at BLOCK_M 64, BF16 at 128.
+    if fp8:
+        return {"BM": 64, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 4, "BN_DOWN": 128,
+                "down_warps": 4, "down_stages": 4}
+    return {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "BN_DOWN": 128,
+            "down_warps": 4, "down_stages": 3}
 
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -546,6 +561,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     bn_down = cfg.get("BN_DOWN", bn)
     launch = {kk: cfg[kk] for kk in ("num_warps", "num_stages") if kk in cfg}
+    down_launch = {"num_warps": cfg.get("down_warps", cfg.get("num_warps", 4)),
+                   "num_stages": cfg.get("down_stages", cfg.get("num_stages", 3))}
     if fp8 and (bn != 128 or bk != 128):
         raise ValueError("FP8 grouped GEMMs need BN = BK = 128 (the quantization group)")
     if fp8 and 128 % bn_down:
@@ -587,10 +604,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     )
     y = torch.empty(rows, hidden, dtype=out_dt, device=dev)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
-    down_launch = dict(launch)
-    if "num_stages" in down_launch:
-        down_launch["num_stages"] = down_stages(down_launch["num_stages"], n_shared != n,
-                                                bm, bn_down, bk, 1 if fp8 else x.element_size())
+    down_launch["num_stages"] = down_stages(down_launch["num_stages"], n_shared != n,
+                                            bm, bn_down, bk, 1 if fp8 else x.element_size())
     _down_kernel[(num_m * triton.cdiv(hidden, bn_down),)](
         h, hs, w2_t, ws2_t, al.sorted_pair, al.block_expert, tw, y,
         hidden, n_experts, num_m, h.stride(0), hs.stride(0), y.stride(0),
@@ -611,14 +626,19 @@ def shared_in_grouped_launch(tokens: int, top_k: int, num_experts: int, fp8: boo
     """Whether the shared expert runs inside the routed launches (kernel option moe_shared=merged,
     the default) or in its own (=separate, to compare; or where merging measured slower).
 
-    Merged where the shared expert is as wide as a routed one (EP 1), and at BLOCK_M <= 64
-    when it is a narrower TP slice (EP 2). A narrower slice at BLOCK_M 128 (thousands of
-    tokens) needs the down kernel's second K loop with fewer pipeline stages, and was
-    slower there: those sizes keep the separate launches (measured:
-    docs/kernel-notes.md#moe-shared-expert)."""
+    Merged where the shared expert is as wide as a routed one (EP 1). A narrower TP slice
+    (EP 2) needs the down kernel's second K loop, whose buffers may cut its pipeline
+    (down_stages); where they do it was slower than separate launches (measured at
+    BLOCK_M 128: docs/kernel-notes.md#moe-shared-expert), so it is merged only where the
+    pipeline keeps its depth."""
     if kernel_options().moe_shared == "separate":
         return False
-    return shared_width == width or tile_config(tokens, top_k, num_experts, fp8, float32)["BM"] <= 64
+    if shared_width == width:
+        return True
+    cfg = tile_config(tokens, top_k, num_experts, fp8, float32)
+    elem = 4 if float32 else 1 if fp8 else 2
+    depth = cfg["down_stages"]
+    return down_stages(depth, True, cfg["BM"], cfg["BN_DOWN"], cfg["BK"], elem) == depth
 
 
 def triton_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights) -> torch.Tensor:

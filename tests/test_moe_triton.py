@@ -95,10 +95,10 @@ def test_kernel_switches_reach_the_moe_kernels():
     assert tile_config(8, 2, 8, True)["BM"] == 16  # the heuristic by default
     with override_kernel_options(moe_tiles="16,128,128,4,3,64"):  # the optional down BLOCK_N
         assert tile_config(8, 2, 8, True) == {"BM": 16, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 3,
-                                              "BN_DOWN": 64}
+                                              "BN_DOWN": 64, "down_warps": 4, "down_stages": 3}
     with override_kernel_options(moe_tiles=(64, 128, 64, 4, 3)):
         assert tile_config(8, 2, 8, False) == {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3,
-                                               "BN_DOWN": 128}
+                                               "BN_DOWN": 128, "down_warps": 4, "down_stages": 3}
     assert route_mode() == "triton"
     with override_kernel_options(moe_route="torch"):
         assert route_mode() == "torch"
@@ -121,7 +121,10 @@ def test_where_the_shared_expert_joins_the_grouped_launch():
     assert shared_in_grouped_launch(8192, shared_width=3072, **m3)  # EP 1: always
     assert shared_in_grouped_launch(2, shared_width=1536, **m3)  # EP 2 (a half slice) at decode
     assert shared_in_grouped_launch(1024, shared_width=1536, **m3)  # BLOCK_M 32
-    assert not shared_in_grouped_launch(8192, shared_width=1536, **m3)  # BLOCK_M 128: measured slower
+    assert shared_in_grouped_launch(8192, shared_width=1536, **m3)  # BLOCK_M 64: the down pipeline keeps 4 stages
+    with override_kernel_options(moe_tiles="128,128,128,8,4"):  # two K loops cut 4 stages to 3: measured slower
+        assert not shared_in_grouped_launch(8192, shared_width=1536, **m3)
+        assert shared_in_grouped_launch(8192, shared_width=3072, **m3)
     with override_kernel_options(moe_shared="separate"):
         assert not shared_in_grouped_launch(2, shared_width=3072, **m3)
 

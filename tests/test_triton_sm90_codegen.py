@@ -37,6 +37,12 @@ H200_SHARED_BYTES = 232448  # what the H200 reported in the OutOfResources error
 def compile_sm90(fn, signature: dict, constants: dict, aligned: list, **options):
     """(ptx, shared bytes) of fn for sm_90; `aligned` args are specialized as 16-divisible,
     as Triton does at launch for 16-byte aligned pointers and multiples of 16."""
+    kernel = compiled_sm90(fn, signature, constants, aligned, **options)
+    return kernel.asm["ptx"], kernel.metadata.shared
+
+
+def compiled_sm90(fn, signature: dict, constants: dict, aligned: list, **options):
+    """Triton's compiled kernel of fn for sm_90 (PTX and cubin), as compile_sm90 specializes it."""
     names = fn.arg_names
     full = {**signature, **{k: "constexpr" for k in constants}}
     try:
@@ -45,8 +51,24 @@ def compile_sm90(fn, signature: dict, constants: dict, aligned: list, **options)
                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     except TypeError as e:  # pragma: no cover - the ahead-of-time API differs in this triton
         pytest.skip(f"triton {triton.__version__}: ASTSource API differs ({e})")
-    kernel = triton.compile(src, target=H200, options=options)
-    return kernel.asm["ptx"], kernel.metadata.shared
+    return triton.compile(src, target=H200, options=options)
+
+
+def local_memory_bytes(kernel, tmp_path) -> int:
+    """Bytes of per-thread local memory (stack: register spills) of a compiled kernel, from the
+    cuobjdump that Triton ships (the ptxas report needs no GPU either)."""
+    import os
+    import subprocess
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("this triton ships no cuobjdump")
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    out = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"STACK:(\d+)", out)
+    assert found, out
+    return int(found.group(1))
 
 
 def async_copies(ptx: str) -> dict:
@@ -89,9 +111,9 @@ def moe():
 def test_moe_down_kernel_loads_weights_in_16_byte_copies(moe, bm, bn, shared_width):
     """M3 at EP 1 (no narrower shared expert) and EP 2 (a 1536-wide shared slice: two K loops)."""
     cfg = moe.tile_config({16: 1, 64: 4000, 128: 8192}[bm], 4, 128, True)
-    stages = moe.down_stages(cfg["num_stages"], shared_width > 0, bm, bn, 128, 1)
+    stages = moe.down_stages(cfg["down_stages"], shared_width > 0, bm, bn, 128, 1)
     consts = dict(FP8, K=3072, K_SHARED=shared_width, SHARED=shared_width > 0, BM=bm, BN=bn)
-    ptx, shared = compile_sm90(moe._down_kernel, DOWN_SIG, consts, DOWN_ALIGNED, num_warps=cfg["num_warps"],
+    ptx, shared = compile_sm90(moe._down_kernel, DOWN_SIG, consts, DOWN_ALIGNED, num_warps=cfg["down_warps"],
                                num_stages=stages)
     copies = async_copies(ptx)
     assert copies.get(16, 0) > 0 and set(copies) == {16}, copies
@@ -119,6 +141,36 @@ def test_moe_gate_up_kernel_loads_weights_in_16_byte_copies(moe, bm, shared):
     assert copies.get(16, 0) > 0 and set(copies) == {16}, copies
     assert byte_loads(ptx) == 0
     assert shared <= H200_SHARED_BYTES
+
+
+BF16 = dict(FP8=False, OUT_KIND=1, INTERP=False, UPCAST=False, IEEE=False, BK=64)
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 300, 4096, 16384])
+def test_moe_tile_table_compiles_without_register_spills(moe, fp8, tokens, tmp_path):
+    """Every tile config tile_config picks for M3 (128 experts, top-4) keeps both kernels in
+    registers. Spilling configs measured 3-5x slower on the H200 (BLOCK_M 128 with 4 warps
+    holds the gate and up accumulators and, in FP8, their per-K-step products:
+    docs/kernel-notes.md#moe-tiles)."""
+    cfg = moe.tile_config(tokens, 4, 128, fp8)
+    base = dict(FP8 if fp8 else BF16, BK=cfg["BK"], BM=cfg["BM"])
+    sig_gate_up = GATE_UP_SIG if fp8 else {**GATE_UP_SIG, "x_ptr": "*bf16", "h_ptr": "*bf16"}
+    sig_down = DOWN_SIG if fp8 else {**DOWN_SIG, "h_ptr": "*bf16"}
+    gate_up = compiled_sm90(moe._gate_up_act_kernel, sig_gate_up, dict(base, K=6144, ACT=0, BN=cfg["BN"], SHARED=False),
+                            GATE_UP_ALIGNED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    down = compiled_sm90(moe._down_kernel, sig_down, dict(base, K=3072, K_SHARED=0, SHARED=False, BN=cfg["BN_DOWN"]),
+                         DOWN_ALIGNED, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
+    assert local_memory_bytes(gate_up, tmp_path) == 0, cfg
+    assert local_memory_bytes(down, tmp_path) == 0, cfg
+    assert max(gate_up.metadata.shared, down.metadata.shared) <= H200_SHARED_BYTES
+
+
+def test_spill_check_sees_a_spilling_config(moe, tmp_path):
+    """The check above can fail: FP8 gate/up at BLOCK_M 128 with 4 warps spills."""
+    kernel = compiled_sm90(moe._gate_up_act_kernel, GATE_UP_SIG, dict(FP8, K=6144, ACT=0, BM=128, BN=128, SHARED=False),
+                           GATE_UP_ALIGNED, num_warps=4, num_stages=3)
+    assert local_memory_bytes(kernel, tmp_path) > 0
 
 
 def test_moe_route_and_alignment_kernels_compile(moe):
