@@ -30,3 +30,22 @@ def test_bench_allreduce_norm_rejects_bad_arguments(argv, message):
 
     with pytest.raises(SystemExit, match=message):
         bench_allreduce_norm.main(["--device", "cpu", *argv])
+
+
+def test_output_differences_see_a_changed_scale():
+    """The fused-vs-unfused comparison (GPU runs) on the op's real outputs: zero for equal ones,
+    and a doubled block scale shows in the dequantized rows and the scale check."""
+    import torch
+
+    import minimax_backend.kernels  # noqa: F401
+    from minimax_backend.tools.bench_allreduce_norm import _differences, _inputs
+
+    x, residual, weight = _inputs(0, 5, 256, torch.device("cpu"))
+    out = torch.ops.minimax.allreduce_rms_norm_quant(x, residual, weight, 1e-6, True, 128, False, 1, "")
+    same = _differences(out, out)
+    assert same == {"fp8_max_rel_diff": 0.0, "fp8_bytes_differing": 0, "scales_equal": True, "residual_equal": True}
+    q, s, y, r = out
+    s2 = s.clone()
+    s2[2, 1] *= 2
+    off = _differences((q, s2, y, r), out)
+    assert off["fp8_max_rel_diff"] > 0.1 and not off["scales_equal"] and off["residual_equal"]
