@@ -28,13 +28,17 @@ BF16_CONFIGS = ["64,128,64,4,3", "64,128,64,4,4", "64,128,64,8,4", "128,128,64,8
                 "128,128,64,4,3", "128,64,64,4,4"]
 
 
-def _parse(config: str) -> dict:
-    vals = [int(v) for v in config.split(",")]
-    if len(vals) not in (5, 6):
-        raise SystemExit(f"--configs: {config!r}: expected BM,BN,BK,warps,stages[,BN_DOWN]")
-    bm, bn, bk, warps, stages = vals[:5]
-    return {"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages,
-            "BN_DOWN": vals[5] if len(vals) == 6 else bn}
+def _tiles(config: str, tokens: int, top_k: int, num_experts: int, fp8: bool) -> dict:
+    """The launch config of one sweep entry: the kernel option moe_tiles' parsing and checks, and
+    tile_config's dict for it (both kernels with these warps and stages)."""
+    from minimax_backend.kernels.moe_triton import tile_config
+    from minimax_backend.kernels.options import override_kernel_options
+
+    try:
+        with override_kernel_options(moe_tiles=config):
+            return tile_config(tokens, top_k, num_experts, fp8)
+    except ValueError as e:
+        raise SystemExit(f"--configs: {e}") from e
 
 
 def _kind(name: str) -> str:
@@ -62,7 +66,7 @@ def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.d
     flops_down = 2.0 * h * (tokens * k * n + tokens * n_sh)
     rows = []
     for c in configs:
-        tiles = _parse(c)
+        tiles = _tiles(c, tokens, k, len(a[2]), fp8)
 
         def call():
             return grouped_gated_mlp(x, ids, weights, a[2], a[3], a[4] or None, a[5] or None, a[13], a[14],
