@@ -5,7 +5,10 @@
         per 1 x G group, G = 128 or 32), w float8_e4m3fn [N, K], ws float32
         [ceil(N/128), ceil(K/128)] -> y [..., N] in out_dtype.
 
-Two backends, chosen per call:
+Three backends, chosen per call:
+
+* at most 16 rows (decode): a Triton kernel that streams the weight once
+  (kernels/fp8_small_m_triton.py); no padding of the rows around it;
 
 * ``torch._scaled_mm`` with blockwise scales (cuBLASLt; 1 x 128 activation
   groups and 128 x 128 weight blocks, sm_90 with a recent cuBLAS; faster than
@@ -32,6 +35,7 @@ import torch
 
 from .fp8 import WEIGHT_BLOCK, dequantize_weight_fp8, fp8_block_gemm
 from .interpreter import triton_interpreting
+from .fp8_small_m_triton import fp8_small_m_gemm, small_m_supports
 from .options import kernel_options
 
 try:
@@ -67,6 +71,9 @@ def fp8_block_gemm_cuda(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws:
     if a.shape[0] == 0:
         return out if out is not None else xq.new_empty((*lead, n), dtype=out_dtype)
     choice = kernel_options().fp8_gemm
+    if choice == "auto" and HAVE_TRITON and small_m_supports(a.shape[0], k, group):
+        y = fp8_small_m_gemm(a, sa, w, ws, out_dtype)
+        return y.reshape(*lead, n) if out is None else out.copy_(y)
     key = (group, k % 16, n % 16, (k // WEIGHT_BLOCK) % 4)
     if choice != "triton" and scaled_mm_supports(a.shape[0], k, group) and key not in _SCALED_MM_BROKEN:
         try:

@@ -24,7 +24,7 @@ environment, so a launcher sets the variables before it starts them.
 | gemm_rs_schedule | MINIMAX_GEMM_RS_SCHEDULE | auto    | auto, epilogue, sum_after        | how the own rows are reduced (auto: by GEMM size, choose_schedule) |
 | gemm_rs_push     | MINIMAX_GEMM_RS_PUSH     | copy    | copy, store                      | store: the GEMMs write the peers' buffers over NVLink instead of the copy engine pushing a local copy |
 | gemm_rs_pieces   | MINIMAX_GEMM_RS_PIECES   | (unset) | a whole number >= 1              | pieces per row block instead of push_pieces' rule (2, or 1 for sum_after above K = 2048) |
-| fp8_gemm         | MINIMAX_FP8_GEMM         | auto    | auto, scaled_mm, triton          | the FP8 block GEMM's backend (auto: cuBLAS blockwise where trusted, else Triton) |
+| fp8_gemm         | MINIMAX_FP8_GEMM         | auto    | auto, scaled_mm, triton          | the FP8 block GEMM's backend (auto: the small-M kernel up to 16 rows, cuBLAS blockwise where trusted, else Triton) |
 | allreduce_norm   | MINIMAX_ALLREDUCE_NORM   | unfused | unfused, symm_mem                | symm_mem: allreduce_rms_norm_quant as one kernel over symmetric memory (not yet run on GPUs) instead of NCCL all-reduce + the norm kernel |
 
 The non-default values are the slower paths kept to compare against, or pin
@@ -107,7 +107,8 @@ class KernelOptions:
         "MINIMAX_GEMM_RS_PIECES", None, "pieces per row block instead of push_pieces' rule", kind="count",
         allowed="a whole number >= 1")
     fp8_gemm: str = _switch(
-        "MINIMAX_FP8_GEMM", "auto", "the FP8 block GEMM's backend (auto: cuBLAS blockwise where trusted, else Triton)",
+        "MINIMAX_FP8_GEMM", "auto", "the FP8 block GEMM's backend (auto: the small-M kernel up to 16 rows, cuBLAS "
+        "blockwise where trusted, else Triton)",
         choices=("auto", "scaled_mm", "triton"))
     allreduce_norm: str = _switch(
         "MINIMAX_ALLREDUCE_NORM", "unfused", "symm_mem: allreduce_rms_norm_quant as one kernel over symmetric "

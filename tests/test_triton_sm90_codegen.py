@@ -236,6 +236,27 @@ def test_fp8_block_gemm_fallback_kernel_compiles(m):
     assert shared <= H200_SHARED_BYTES
 
 
+@pytest.mark.parametrize("n, k", [(9216, 6144), (6144, 8192), (24576, 6144), (6144, 12288)])
+def test_fp8_small_m_kernel_streams_weights_in_16_byte_copies(n, k, tmp_path):
+    """The decode GEMM (kernels/fp8_small_m_triton.py) at M3's shapes, with the config its
+    table picks: weights arrive as 16-byte async copies, no spills, shared memory fits."""
+    from minimax_backend.kernels import fp8_small_m_triton as sm
+
+    cfg = sm.small_m_config(n, k)
+    sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16",
+           "M": "i32", "N": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_wn": "i32", "stride_wsn": "i32",
+           "stride_os": "i32", "stride_om": "i32"}
+    kernel = compiled_sm90(sm._small_m_kernel, sig,
+                           dict(GROUPS_PER_SPLIT=k // 128 // cfg.split_k, BLOCK_M=sm.MAX_ROWS, BLOCK_N=cfg.block_n),
+                           ["a_ptr", "as_ptr", "w_ptr", "ws_ptr", "out_ptr", "N", "stride_am", "stride_wn",
+                            "stride_om"], num_warps=cfg.warps, num_stages=cfg.stages)
+    copies = async_copies(kernel.asm["ptx"])
+    assert copies.get(16, 0) > 0 and set(copies) == {16}, copies
+    assert byte_loads(kernel.asm["ptx"]) == 0
+    assert kernel.metadata.shared <= H200_SHARED_BYTES
+    assert local_memory_bytes(kernel, tmp_path) == 0
+
+
 # --------------------------------------------------------------------- MSA
 SCORES_SIG = {"q_ptr": "*bf16", "k_ptr": "*bf16", "pos_ptr": "*i64", "out_ptr": "*fp32", "seq": "i32", "heads": "i32",
               "n_blocks": "i32", "blocks_per_prog": "i32", "stride_kb": "i32", "stride_kl": "i32"}
