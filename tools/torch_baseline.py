@@ -10,8 +10,10 @@ What changes against our eager model (model/), everything else shared:
     in torch ops, static shapes (no host sync), so it compiles and captures;
   * FP8 linears quantize their input in plain torch ops (Inductor fuses the
     quantization with the RMSNorm before it) and multiply with
-    torch._scaled_mm's block-scaled GEMM (through minimax::fp8_block_gemm,
-    which is that call).
+    torch._scaled_mm's block-scaled GEMM (cuBLAS) at every row count, through
+    the op `minimax_baseline::scaled_mm_blockwise` below (the row padding and
+    scale layout cuBLAS wants, as one graph node: our op minimax::fp8_block_gemm
+    may pick our own kernels, which the baseline must not).
 
 `to_torch_baseline(model)` makes a model instance into this one (the experts
 re-stacked, FP8 ones re-quantized row-wise), to compile with stock
@@ -31,7 +33,25 @@ from minimax_backend.model.moe import MoE
 from minimax_backend.model.parallel import all_reduce
 from minimax_backend.tools.bench_common import rowwise_fp8
 
-__all__ = ["TorchGrouped", "GroupedMoE", "TorchFP8Linear", "to_torch_baseline"]
+__all__ = ["TorchGrouped", "GroupedMoE", "TorchFP8Linear", "scaled_mm_blockwise", "to_torch_baseline"]
+
+
+@torch.library.custom_op("minimax_baseline::scaled_mm_blockwise", mutates_args=())
+def scaled_mm_blockwise(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm with 1 x 128 / 128 x 128 block scales on CUDA; the reference elsewhere."""
+    from minimax_backend.kernels.fp8_gemm_cuda import fp8_block_gemm_scaled_mm, scaled_mm_supports
+
+    lead, k = xq.shape[:-1], xq.shape[-1]
+    if not xq.is_cuda or not scaled_mm_supports(xq.numel() // k, k, k // xs.shape[-1]):
+        return torch.ops.minimax.fp8_block_gemm(xq, xs, w, ws, out_dtype)  # (M3's shapes never come here on CUDA)
+    y = fp8_block_gemm_scaled_mm(xq.reshape(-1, k), xs.reshape(-1, xs.shape[-1]), w, ws, out_dtype)
+    return y.reshape(*lead, w.shape[0])
+
+
+@scaled_mm_blockwise.register_fake
+def _scaled_mm_blockwise_fake(xq, xs, w, ws, out_dtype):
+    return xq.new_empty((*xq.shape[:-1], w.shape[0]), dtype=out_dtype)
 
 
 class TorchGrouped:
@@ -111,7 +131,7 @@ class TorchFP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lin = self.linear
         xq, xs = quantize_fp8_reference(x, lin.act_group_size)
-        return torch.ops.minimax.fp8_block_gemm(xq, xs, lin.weight, lin.weight_scale_inv, x.dtype)
+        return scaled_mm_blockwise(xq, xs, lin.weight, lin.weight_scale_inv, x.dtype)
 
 
 def _replace(root: nn.Module, match, make) -> int:
