@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from minimax_backend.tools.bench_common import gpu_timeline
@@ -41,3 +43,22 @@ def test_a_real_cpu_recording_has_no_gpu_timeline():
     assert any(e.name == "aten::add" for e in prof.events())  # the attributes gpu_timeline reads exist
     assert all(hasattr(e, "time_range") and hasattr(e, "device_resource_id") for e in prof.events())
     assert gpu_timeline(prof.events()) == []
+
+
+@pytest.mark.gpu
+def test_host_and_device_split_tells_host_work_from_gpu_work():
+    from minimax_backend.tools.bench_common import host_and_device_ms
+
+    x = torch.ones(1 << 20, device="cuda")
+
+    def slow_host_quick_gpu():
+        time.sleep(0.005)  # 5 ms of host work, one tiny kernel
+        x.add_(1)
+
+    def quick_host_slow_gpu():
+        torch.cuda._sleep(10_000_000)  # ~5 ms of GPU work, issued in microseconds
+
+    a = host_and_device_ms(slow_host_quick_gpu, repeats=3)
+    b = host_and_device_ms(quick_host_slow_gpu, repeats=3)
+    assert a["host_ms"] >= 5.0 and a["device_ms"] < 1.0, a
+    assert b["host_ms"] < 1.0 and b["device_ms"] >= 2.0, b

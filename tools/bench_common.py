@@ -49,6 +49,32 @@ def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, barrier
     return statistics.median(times)
 
 
+QUEUE_AHEAD_CYCLES = 40_000_000  # ~20 ms of GPU clock: longer than any call's host work
+
+
+def host_and_device_ms(fn: Callable[[], Any], repeats: int = 10) -> dict[str, float]:
+    """Where a call's time goes: median host ms (Python until fn returns) and device ms.
+
+    Each call is issued behind a GPU kept busy by a sleep kernel, so the
+    device time (CUDA events around the call) holds only its GPU work and the
+    gaps inside it, not the host work that `median_ms` exposes. A call that
+    synchronizes inside waits for the sleep and shows as host time >= ~20 ms.
+    """
+    host, device = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        end.synchronize()
+        device.append(start.elapsed_time(end))
+    return {"host_ms": statistics.median(host), "device_ms": statistics.median(device)}
+
+
 def graphed(fn: Callable[[], Any], calls: int = 1, before_capture: Callable[[], None] | None = None,
             capture_error_mode: str = "global") -> Callable[[], Any]:
     """`calls` back-to-back calls of fn captured in one CUDA graph; returns a replay

@@ -34,7 +34,11 @@ TFLOP/s and as a fraction of the plain GEMM's rate.
 
 Each variant is compiled on its first call at each size (timed as compile_s),
 then timed (CUDA events, medians of --repeats, a barrier before each call so
-the ranks start together). Every variant's logits are compared with eager's
+the ranks start together). On a GPU each compiled variant's call is also
+split into host ms (Python until the call returns) and device ms (the call
+issued behind a busy GPU, so only its GPU work and the gaps between its
+kernels count); --profile adds the kernel time and launches per call. Every
+variant's logits are compared with eager's
 (relative error to the largest logit, argmax agreement). Rank 0 prints one
 table per workload kind and writes the JSON after every workload, so a run cut
 short keeps what it measured.
@@ -115,12 +119,17 @@ def job(rank: int, world: int, args) -> None:
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState
     from minimax_backend.model.random_weights import fast_random_weights
-    from minimax_backend.tools.bench_common import kernel_profile, median_ms, top_kernels, write_json
+    from minimax_backend.tools.bench_common import (host_and_device_ms, kernel_profile, median_ms, top_kernels,
+                                                    write_json)
     from minimax_backend.tools.run_job import compare_logits, sync_device
 
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
+    # Every variant's guards check parameters per module tree, as our backend sets it
+    # (BackendConfig.module_dict_guards): the baseline gets the same Dynamo setting.
+    if hasattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards"):
+        torch._dynamo.config.use_recursive_dict_tags_for_guards = True
     t_start = time.perf_counter()
 
     def progress(msg):
@@ -185,6 +194,9 @@ def job(rank: int, world: int, args) -> None:
                 ms = median_ms(lambda: fn(ids, pos), args.warmup, args.repeats, barrier)
                 row[f"{name}_ms"] = ms
                 row[f"{name}_first_call_s"] = first
+                if device.type == "cuda" and name != "eager":  # where the step goes: host work vs GPU work
+                    split = host_and_device_ms(lambda: fn(ids, pos), args.repeats)
+                    row[f"{name}_host_ms"], row[f"{name}_device_ms"] = split["host_ms"], split["device_ms"]
                 new = compile_reports()[n_reports:]
                 if new:
                     compile_info[f"{label}/{name}"] = {
@@ -194,6 +206,7 @@ def job(rank: int, world: int, args) -> None:
                     kernels, total_us = kernel_profile(lambda: fn(ids, pos), args.profile, device)
                     row[f"{name}_kernels"] = top_kernels(kernels, total_us, args.profile, 25)
                     row[f"{name}_kernel_us"] = total_us / args.profile
+                    row[f"{name}_launches"] = sum(n for _, n in kernels.values()) / args.profile
                 extra = f", rel err {row.get(f'{name}_rel_err', 0) or 0:.2e}" if name != "eager" else ""
                 progress(f"{label}: {name:<22} {ms:8.3f} ms (first call {first:5.1f}s{extra})")
             for name in args.variants:
@@ -211,6 +224,8 @@ def job(rank: int, world: int, args) -> None:
                                        "attention": args.attention,
                                        "sparse_layers": list(config.sparse_attention_layers),
                                        "moe_layers": args.moe_layers, "fp8": not args.bf16, "context": args.context,
+                                       "dynamo_module_dict_guards": getattr(
+                                           torch._dynamo.config, "use_recursive_dict_tags_for_guards", None),
                                        "repeats": args.repeats, "variants": list(args.variants), "rows": rows,
                                        "floors": floors,
                                        "compiles": compile_info})
@@ -258,6 +273,10 @@ def _tables(rows, variants) -> None:
         ratio_cols = [key] + [c for c in part[0] if c.startswith("minimax_x_vs_") or c == "x_vs_eager_minimax"
                               or c in ("floor_ms", "minimax_over_floor", "minimax_tflops", "minimax_frac_of_gemm")]
         print_table(part, ratio_cols, title=f"{kind}: speed-up of minimax (other / minimax)")
+        split_cols = [key] + [c for c in part[0] if c.endswith(("_host_ms", "_device_ms", "_kernel_us", "_launches"))]
+        if len(split_cols) > 1:
+            print_table(part, split_cols, title=f"{kind}: host ms per call, device ms (issued behind a busy GPU), "
+                                                "kernel us and launches per call (--profile)")
         err_cols = [key] + [c for c in part[0] if c.endswith("_rel_err") or c.endswith("_argmax")]
         print_table(part, err_cols, title=f"{kind}: logits vs eager")
         for r in part:
