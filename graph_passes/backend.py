@@ -60,6 +60,8 @@ def minimax_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opt
     manager = PassManager(config)  # fails early on 'on' for a pass not implemented yet
     if config.cudagraphs:
         _allow_one_compile_per_bucket(config)
+    if config.module_dict_guards:
+        _module_dict_guards()
     compile_index = len(_REPORTS)
 
     def inference_compiler(aten_gm: torch.fx.GraphModule, aten_inputs: Sequence[Any]):
@@ -109,6 +111,16 @@ def _allow_one_compile_per_bucket(config: BackendConfig) -> None:
             log.info("minimax: torch._dynamo.config.%s %d -> %d (one compile per CUDA-graph bucket)",
                      name, current, need)
         return
+
+
+def _module_dict_guards() -> None:
+    """Guards on parameters by module dict tags (BackendConfig.module_dict_guards). Dynamo
+    reads the flag when it builds this compile's guards, after the backend returns."""
+    flag = "use_recursive_dict_tags_for_guards"
+    if getattr(torch._dynamo.config, flag, None) is False:
+        setattr(torch._dynamo.config, flag, True)
+        log.info("minimax: torch._dynamo.config.%s -> True (parameters checked per module tree, "
+                 "not per tensor: module_dict_guards)", flag)
 
 
 def _bucket_multiple(report: dict[str, Any]) -> int:
