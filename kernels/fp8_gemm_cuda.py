@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from .fp8 import WEIGHT_BLOCK, dequantize_weight_fp8, fp8_block_gemm
-from .interpreter import triton_interpreting
 from .fp8_small_m_triton import fp8_small_m_gemm, small_m_supports
+from .interpreter import triton_interpreting
 from .options import kernel_options
 
 try:

@@ -52,17 +52,21 @@ def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, barrier
 QUEUE_AHEAD_CYCLES = 40_000_000  # ~20 ms of GPU clock: longer than any call's host work
 
 
-def host_and_device_ms(fn: Callable[[], Any], repeats: int = 10) -> dict[str, float]:
+def host_and_device_ms(fn: Callable[[], Any], repeats: int = 10,
+                       barrier: Callable[[], None] | None = None) -> dict[str, float]:
     """Where a call's time goes: median host ms (Python until fn returns) and device ms.
 
     Each call is issued behind a GPU kept busy by a sleep kernel, so the
     device time (CUDA events around the call) holds only its GPU work and the
     gaps inside it, not the host work that `median_ms` exposes. A call that
     synchronizes inside waits for the sleep and shows as host time >= ~20 ms.
+    `barrier` (several ranks) runs before each call, as in median_ms.
     """
     host, device = [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
+        if barrier is not None:
+            barrier()
         torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

@@ -195,7 +195,7 @@ def job(rank: int, world: int, args) -> None:
                 row[f"{name}_ms"] = ms
                 row[f"{name}_first_call_s"] = first
                 if device.type == "cuda" and name != "eager":  # where the step goes: host work vs GPU work
-                    split = host_and_device_ms(lambda: fn(ids, pos), args.repeats)
+                    split = host_and_device_ms(lambda: fn(ids, pos), args.repeats, barrier)
                     row[f"{name}_host_ms"], row[f"{name}_device_ms"] = split["host_ms"], split["device_ms"]
                 new = compile_reports()[n_reports:]
                 if new:
