@@ -14,10 +14,12 @@ pytestmark = pytest.mark.skipif(not hasattr(torch._dynamo.config, FLAG), reason=
 
 
 @pytest.fixture
-def flag_off(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, FLAG, False)
-    torch._dynamo.reset()
-    yield
+def flag_off():
+    # config.patch, not monkeypatch: Dynamo's config entries are not module attributes, and
+    # monkeypatch's undo would delete the entry for the rest of the session
+    with torch._dynamo.config.patch(**{FLAG: False}):
+        torch._dynamo.reset()
+        yield
     torch._dynamo.reset()
 
 
