@@ -107,20 +107,13 @@ def block_op_args(block) -> tuple:
     """The weight and constant arguments of minimax::moe for an eager MoE block
     (model/moe.py's MoE, read duck-typed): what the canonicalize pass finds in
     the graph, for tests and benchmarks that call the ops directly."""
-    experts = list(block.experts)
-    mlp = experts[0] if experts else block.shared_experts
-
-    def scales(linears):
-        return [lin.weight_scale_inv for lin in linears] if linears and linears[0].fp8 else []
-
+    experts = block.experts  # stacked: model/moe.py's LocalExperts
+    w13, w2, s13, s2 = experts.per_expert()
     shared = block.shared_experts
     return (
         block.gate.weight,
         block.e_score_correction_bias if block.use_routing_bias else None,
-        [e.gate_up_proj.weight for e in experts],
-        [e.down_proj.weight for e in experts],
-        scales([e.gate_up_proj for e in experts]),
-        scales([e.down_proj for e in experts]),
+        w13, w2, s13, s2,
         shared.gate_up_proj.weight if shared is not None else None,
         shared.down_proj.weight if shared is not None else None,
         shared.gate_up_proj.weight_scale_inv if shared is not None and shared.gate_up_proj.fp8 else None,
@@ -129,9 +122,9 @@ def block_op_args(block) -> tuple:
         float(block.routed_scaling_factor),
         bool(block.norm_topk_prob),
         block.first_expert,
-        mlp.act,
-        float(mlp.alpha),
-        float(mlp.limit),
-        float(mlp.beta),
-        mlp.gate_up_proj.act_group_size,
+        experts.act,
+        float(experts.alpha),
+        float(experts.limit),
+        float(experts.beta),
+        experts.gate_up_proj.act_group_size,
     )

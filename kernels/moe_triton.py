@@ -209,14 +209,16 @@ def single_expert_alignment(tokens: int, block_m: int, device: torch.device) -> 
 _TABLES: dict = {}
 
 
-def _table(tensors) -> torch.Tensor:
-    """int64 device tensor of the tensors' addresses, cached by address (stable weights)."""
+def _table(tensors, aligned: bool = True) -> torch.Tensor:
+    """int64 device tensor of the tensors' addresses, cached by address (stable weights).
+    `aligned`: the kernels load these with a 16-byte alignment hint (weights; the block
+    scales of one expert inside a stacked scale tensor need not be)."""
 
     def make() -> torch.Tensor:
         for t in tensors:
             if not t.is_contiguous():
                 raise ValueError("grouped MoE kernels need contiguous expert weights")
-            if t.data_ptr() % 16:
+            if aligned and t.data_ptr() % 16:
                 raise ValueError("grouped MoE kernels need 16-byte aligned expert weights (the kernels assume it)")
         return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
 
@@ -587,8 +589,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         xq, xs = quantize_fp8_triton(x, 128) if on_gpu else quantize_fp8_reference(x, 128)
         h = torch.empty(rows, n_max, dtype=FP8_DTYPE, device=dev)
         hs = torch.empty(rows, n_max // 128, dtype=torch.float32, device=dev)
-        w13_t, ws13_t = _table(w13), _table(w13_scale)
-        w2_t, ws2_t = _table(w2), _table(w2_scale)
+        w13_t, ws13_t = _table(w13), _table(w13_scale, aligned=False)
+        w2_t, ws2_t = _table(w2), _table(w2_scale, aligned=False)
     else:
         xq = x if x.stride(1) == 1 else x.contiguous()  # rows may be strided (a view of a packed gather)
         xs = x.new_empty(1, 1, dtype=torch.float32)

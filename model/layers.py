@@ -302,7 +302,7 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float,
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x), up(x))), the dense MLP, the shared expert and each routed expert.
+    """down(act(gate(x), up(x))), the dense MLP and the shared expert (routed experts: model/moe.py's LocalExperts).
 
     gate and up are one fused column-parallel GEMM over this rank's slice of
     the intermediate dim; down is row-parallel over the same slice. With

@@ -91,10 +91,11 @@ class ParallelLinear(nn.Module):
         device: torch.device | str = "cpu",
         fp8: bool = False,
         act_group_size: int = 128,
+        name: str | None = None,
     ):
         super().__init__()
         self.pieces = tuple(out_pieces)
-        self.name = self.pieces[0].prefix if len(self.pieces) == 1 else "+".join(p.prefix for p in self.pieces)
+        self.name = name or (self.pieces[0].prefix if len(self.pieces) == 1 else "+".join(p.prefix for p in self.pieces))
         in_start, in_len, in_full = in_range if in_range is not None else (0, in_features, in_features)
         if in_len != in_features:
             raise ShardingError(f"{self.name}: in_range length {in_len} != in_features {in_features}")
@@ -162,6 +163,35 @@ class ParallelLinear(nn.Module):
             xq, xs = torch.ops.minimax.quantize_fp8(x, self.act_group_size)
             return torch.ops.minimax.fp8_block_gemm(xq, xs, self.weight, self.weight_scale_inv, x.dtype)
         return F.linear(x, self.weight)
+
+    def forward_rows(self, x: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """x @ W[start:start + count].T: one block of rows of a stacked weight (an expert's).
+        In FP8 the block must start on a 128-row boundary (its scales are rows of the scales)."""
+        w = self.weight[start:start + count]
+        if not self.fp8:
+            return F.linear(x, w)
+        if start % WEIGHT_BLOCK:
+            raise ShardingError(f"{self.name}: FP8 rows from {start} do not start on a {WEIGHT_BLOCK}-row block")
+        s = self.weight_scale_inv[start // WEIGHT_BLOCK:math.ceil((start + count) / WEIGHT_BLOCK)]
+        xq, xs = torch.ops.minimax.quantize_fp8(x, self.act_group_size)
+        return torch.ops.minimax.fp8_block_gemm(xq, xs, w, s, x.dtype)
+
+    @torch.no_grad()
+    def set_rows(self, start: int, w: torch.Tensor) -> None:
+        """Set local rows [start, start + len(w)) from a float tensor; in FP8 they must be whole
+        128-row blocks (or run to the end), so quantizing them alone equals quantizing the whole."""
+        end = start + w.shape[0]
+        if w.shape[1:] != self.weight.shape[1:] or end > self.weight.shape[0]:
+            raise ShardingError(f"{self.name}: rows {start}..{end} of shape {tuple(w.shape)} do not fit "
+                                f"the local weight {tuple(self.weight.shape)}")
+        if not self.fp8:
+            self.weight[start:end].copy_(w)
+            return
+        if start % WEIGHT_BLOCK or (end % WEIGHT_BLOCK and end != self.weight.shape[0]):
+            raise ShardingError(f"{self.name}: FP8 rows {start}..{end} are not whole {WEIGHT_BLOCK}-row blocks")
+        q, sc = quantize_weight_fp8(w)
+        self.weight[start:end].copy_(q)
+        self.weight_scale_inv[start // WEIGHT_BLOCK:start // WEIGHT_BLOCK + sc.shape[0]].copy_(sc)
 
     @torch.no_grad()
     def set_weight(self, w: torch.Tensor) -> None:

@@ -4,7 +4,8 @@
     scores      sigmoid(logits)
     select      top-k of scores + e_score_correction_bias (the bias only picks experts)
     weights     the selected UNBIASED scores, renormalized to sum 1, times routed_scaling_factor
-    experts     this rank's local experts, each a gated MLP (w1 = gate, w3 = up, w2 = down)
+    experts     this rank's local experts, each a gated MLP (w1 = gate, w3 = up, w2 = down),
+                stored stacked (LocalExperts: one gate/up and one down weight for all of them)
     shared      the shared expert (M3), tensor-parallel like the dense MLP, added unscaled
     all_reduce  ONE all-reduce sums routed and shared partials of all ranks
 
@@ -26,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import GatedMLP, shard
-from .linear import ReplicatedLinear
+from .layers import GatedMLP, shard, swiglu_oai
+from .linear import ParallelLinear, Piece, ReplicatedLinear
 from .parallel import ParallelState, all_reduce
 from .weights import attach_plan
 
-__all__ = ["MoE"]
+__all__ = ["LocalExperts", "MoE"]
 
 
 def _tracing() -> bool:
@@ -66,13 +67,8 @@ class MoE(nn.Module):
 
         # Routed experts: this rank's slice of experts, each sharded over the MoE TP ranks.
         self.first_expert, n_local = shard(num_experts, ps.ep_rank, ps.ep_size, f"{prefix}: num_local_experts")
-        self.experts = nn.ModuleList(
-            GatedMLP(config, ps,
-                     (f"{prefix}.experts.{e}.w1", f"{prefix}.experts.{e}.w3", f"{prefix}.experts.{e}.w2"),
-                     config.intermediate_size, ps.moe_tp_rank, ps.moe_tp_size,
-                     reduce_output=False, dtype=dtype, device=device, fp8=fp8)
-            for e in range(self.first_expert, self.first_expert + n_local)
-        )
+        self.experts = LocalExperts(config, ps, prefix, self.first_expert, n_local, dtype=dtype, device=device,
+                                    fp8=fp8)
 
         # Shared expert: tensor-parallel over all ranks, no all-reduce of its own.
         self.shared_experts = None
@@ -113,18 +109,67 @@ class MoE(nn.Module):
     def _experts_dense(self, x, topk_ids, topk_weights, out):
         """Static shapes for torch.compile: every local expert runs on all tokens,
         weighted by its top-k weight (zero for tokens not routed to it)."""
-        for i, expert in enumerate(self.experts):
+        for i in range(len(self.experts)):
             w_e = (topk_weights * (topk_ids == self.first_expert + i)).sum(dim=-1)  # [T]
-            out = out + w_e[:, None] * expert(x)
+            out = out + w_e[:, None] * self.experts(i, x)
         return out
 
     def _experts_gathered(self, x, topk_ids, topk_weights, out):
         """Eager fast path: each expert runs only on its routed tokens. Same sum in
         the same expert order as _experts_dense (which adds exact zeros for the rest)."""
-        for i, expert in enumerate(self.experts):
+        for i in range(len(self.experts)):
             token, slot = torch.nonzero(topk_ids == self.first_expert + i, as_tuple=True)
             if token.numel() == 0:
                 continue
             w_e = topk_weights[token, slot]
-            out.index_add_(0, token, w_e[:, None] * expert(x[token]))
+            out.index_add_(0, token, w_e[:, None] * self.experts(i, x[token]))
         return out
+
+
+class LocalExperts(nn.Module):
+    """This rank's routed experts as two stacked linears: `gate_up_proj` [E * 2n, H] (expert i's
+    gate then up rows at [2n * i, 2n * (i + 1))) and `down_proj` [E * H, n] (expert i's rows at
+    [H * i, H * (i + 1))), n being this rank's slice of the expert intermediate size, each with
+    its FP8 block scales. Every block loads from its own checkpoint tensors
+    (`experts.{e}.w1 / w3 / w2`). One parameter per projection instead of one per expert: a
+    compiled call then passes 4 tensors per MoE layer rather than 4 per expert (M3: 512), and
+    the host time of a call grows with that count.
+
+    `experts(i, x)` is expert i's gated MLP on x (partial sums under MoE tensor parallelism).
+    """
+
+    def __init__(self, config, ps: ParallelState, prefix: str, first: int, count: int, *, dtype, device, fp8: bool):
+        super().__init__()
+        full, hidden = config.intermediate_size, config.hidden_size
+        i0, n = shard(full, ps.moe_tp_rank, ps.moe_tp_size, f"{prefix}.experts: intermediate size")
+        self.count, self.width, self.hidden = count, n, hidden
+        self.act = config.hidden_act
+        self.alpha, self.limit, self.beta = config.swiglu_alpha, config.swiglu_limit, config.swiglu_beta
+        names = [f"{prefix}.experts.{e}" for e in range(first, first + count)]
+        self.gate_up_proj = ParallelLinear(
+            [p for e in names for p in (Piece(f"{e}.w1", full, i0, n), Piece(f"{e}.w3", full, i0, n))], hidden,
+            dtype=dtype, device=device, fp8=fp8, name=f"{prefix}.experts.{first}-{first + count - 1}.w1+w3")
+        self.down_proj = ParallelLinear(
+            [Piece(f"{e}.w2", hidden) for e in names], n, in_range=(i0, n, full),
+            dtype=dtype, device=device, fp8=fp8, name=f"{prefix}.experts.{first}-{first + count - 1}.w2")
+
+    def __len__(self) -> int:
+        return self.count
+
+    def per_expert(self) -> tuple[list, list, list, list]:
+        """Views of each expert's gate/up and down weights and (FP8) their block scales:
+        [w13_0, ...], [w2_0, ...], [s13_0, ...] or [], [s2_0, ...] or []."""
+        gu, dn, b = self.gate_up_proj, self.down_proj, 128
+        w13 = list(gu.weight.split(2 * self.width))
+        w2 = list(dn.weight.split(self.hidden))
+        if not gu.fp8:
+            return w13, w2, [], []
+        return w13, w2, list(gu.weight_scale_inv.split(2 * self.width // b)), list(dn.weight_scale_inv.split(self.hidden // b))
+
+    def forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.forward_rows(x, 2 * self.width * i, 2 * self.width).chunk(2, dim=-1)
+        if self.act == "swigluoai":
+            h = swiglu_oai(gate, up, self.alpha, self.limit, self.beta)
+        else:
+            h = F.silu(gate) * up
+        return self.down_proj.forward_rows(h, self.hidden * i, self.hidden)

@@ -125,7 +125,7 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> nn.Module:
             mean, std = init_std(source.name, m.in_full, config)
             parts.append(_random_piece(source, (piece.size, m.in_features), seed, mean, std,
                                        blocks=_is_linear_weight(source.name)))
-        m.set_weight(torch.cat(parts, dim=0).float())
+        _set_weight(m, parts)
         done.update({id(m.weight), id(m.weight_scale_inv)})
     for _, t in list(model.named_parameters()) + list(model.named_buffers()):
         plan = get_plan(t)
@@ -137,6 +137,21 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> nn.Module:
         mean, std = init_std(name, t.shape[-1], config)
         t.copy_(_random_piece(plan.pieces[0], tuple(t.shape), seed, mean, std, blocks=False).to(t.dtype))
     return model
+
+
+def _by_piece(m: ParallelLinear) -> bool:
+    """Fill a linear piece by piece: many pieces (stacked experts), each FP8 piece whole blocks."""
+    return len(m.pieces) > 8 and (not m.fp8 or all(p.size % WEIGHT_BLOCK == 0 for p in m.pieces[:-1]))
+
+
+def _set_weight(m: ParallelLinear, parts: list[torch.Tensor]) -> None:
+    if not _by_piece(m):
+        m.set_weight(torch.cat(parts, dim=0).float())
+        return
+    start = 0
+    for part in parts:
+        m.set_rows(start, part.float())
+        start += part.shape[0]
 
 
 # ------------------------------------------------------------ on-device (fast)
@@ -163,16 +178,23 @@ def fast_random_weights(model: nn.Module, seed: int = 0, config=None) -> nn.Modu
         if not isinstance(m, ParallelLinear):
             continue
         gen = torch.Generator(device=m.weight.device).manual_seed(_seed_of(name, seed))
-        rows = []
-        for source, piece in zip(get_plan(m.weight).pieces, m.pieces):
+        blocks = _is_linear_weight(get_plan(m.weight).pieces[0].name)
+
+        def draw(source, piece, gen=gen, m=m):
             _, std = init_std(source.name, m.in_full, config)
-            rows.append(torch.randn(piece.size, m.in_features, generator=gen, device=m.weight.device) * std)
-        w = torch.cat(rows, dim=0)
-        if _is_linear_weight(get_plan(m.weight).pieces[0].name):
-            w = w * _device_blocks(tuple(w.shape), gen, w.device)
-        m.set_weight(w)
+            return torch.randn(piece.size, m.in_features, generator=gen, device=m.weight.device) * std
+
+        if _by_piece(m):  # stacked experts: one expert's rows at a time (the whole is GBs in float32)
+            start = 0
+            for source, piece in zip(get_plan(m.weight).pieces, m.pieces):
+                w = draw(source, piece)
+                m.set_rows(start, w * _device_blocks(tuple(w.shape), gen, w.device) if blocks else w)
+                start += piece.size
+        else:
+            w = torch.cat([draw(src, pc) for src, pc in zip(get_plan(m.weight).pieces, m.pieces)], dim=0)
+            m.set_weight(w * _device_blocks(tuple(w.shape), gen, w.device) if blocks else w)
+            del w
         done.update({id(m.weight), id(m.weight_scale_inv)})
-        del w, rows
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         plan = get_plan(t)
         if plan is None or id(t) in done or not t.is_floating_point():

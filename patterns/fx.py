@@ -242,7 +242,12 @@ def getitem_source(n: Any, index: int) -> Node | None:
 
 
 def is_weight(n: Any) -> bool:
-    """A graph input or attribute (a parameter), not something computed in the graph."""
+    """A graph input or attribute (a parameter), or a block of its rows (experts stored stacked:
+    model/moe.py's LocalExperts), not something computed in the graph."""
+    if isinstance(n, Node) and is_op(n, "aten.slice") and len(n.args) >= 2:
+        dim = n.args[1]
+        step = n.args[4] if len(n.args) > 4 else n.kwargs.get("step", 1)
+        n = n.args[0] if dim == 0 and step == 1 else None
     return isinstance(n, Node) and n.op in ("placeholder", "get_attr")
 
 

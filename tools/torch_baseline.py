@@ -103,14 +103,11 @@ class GroupedMoE(nn.Module):
     def __init__(self, block: MoE):
         super().__init__()
         self.block = block  # router weights, the shared expert, the parallel layout
-        experts = list(block.experts)
-        fp8 = experts[0].gate_up_proj.fp8
-        scales = (lambda lins: [lin.weight_scale_inv for lin in lins]) if fp8 else (lambda lins: None)
-        self.grouped = TorchGrouped([e.gate_up_proj.weight for e in experts], [e.down_proj.weight for e in experts],
-                                    scales([e.gate_up_proj for e in experts]), scales([e.down_proj for e in experts]),
-                                    fp8)
-        mlp = experts[0]
-        self.act = (mlp.act, mlp.alpha, mlp.limit, mlp.beta)
+        experts = block.experts  # stacked: model/moe.py's LocalExperts
+        w13, w2, s13, s2 = experts.per_expert()
+        fp8 = experts.gate_up_proj.fp8
+        self.grouped = TorchGrouped(w13, w2, s13 if fp8 else None, s2 if fp8 else None, fp8)
+        self.act = (experts.act, experts.alpha, experts.limit, experts.beta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self.block
