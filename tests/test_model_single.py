@@ -254,6 +254,37 @@ def test_load_plans_name_every_checkpoint_tensor():
     assert get_plan(tied.lm_head.weight).names == ("model.embed_tokens.weight",)
 
 
+def test_routed_experts_are_stored_stacked_each_expert_from_its_own_tensors():
+    """A layer's 8 routed experts are 4 parameters in FP8 (weights + block scales of gate/up and
+    down), not 4 per expert: a compiled call's inputs (and its host time) grow with that count.
+    Expert i's rows load from experts.i's checkpoint tensors, and expert i alone computes
+    what its own weights give."""
+    from minimax_backend.model.layers import swiglu_oai
+
+    model = _model(tiny_m3_config(), quantize_fp8=True)
+    experts = model.layers[1].block_sparse_moe.experts
+    assert len(experts) == 8 and len(list(experts.parameters())) == 4
+    pieces = [s.name for s in get_plan(experts.gate_up_proj.weight).pieces]
+    assert pieces[6:8] == ["model.layers.1.block_sparse_moe.experts.3.w1.weight",
+                           "model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    assert get_plan(experts.down_proj.weight_scale_inv).pieces[3].name.endswith("experts.3.w2.weight_scale_inv")
+    w13, w2, s13, s2 = experts.per_expert()
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+
+    def by_hand(i):  # expert i from its own weights and scales, as the model quantizes
+        xq, xs = torch.ops.minimax.quantize_fp8(x, 128)
+        gu = torch.ops.minimax.fp8_block_gemm(xq, xs, w13[i], s13[i], x.dtype)
+        gate, up = gu.chunk(2, dim=-1)
+        h = swiglu_oai(gate, up, experts.alpha, experts.limit, experts.beta)
+        hq, hs = torch.ops.minimax.quantize_fp8(h, 128)
+        return torch.ops.minimax.fp8_block_gemm(hq, hs, w2[i], s2[i], x.dtype)
+
+    with torch.no_grad():
+        for i in (0, 3, 7):
+            torch.testing.assert_close(experts(i, x), by_hand(i), rtol=0, atol=0)
+        assert not torch.allclose(experts(3, x), experts(4, x))
+
+
 def test_mtp_plan_names():
     model = build_model(tiny_m3_config(), SINGLE, torch.bfloat16)
     names = {n for plan in _plans(model).values() for n in plan.names if n.startswith("model.mtp.")}

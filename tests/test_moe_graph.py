@@ -350,3 +350,20 @@ def test_graph_without_moe_is_not_a_miss():
     forced = BackendConfig(strict=True, moe_canonicalize="on")
     with pytest.raises(PassError, match="forced on"):
         PassManager(forced, order=("moe_canonicalize",)).run(gm, PassContext(config=forced))
+
+
+def test_a_row_block_of_a_parameter_is_a_weight_other_slices_are_not():
+    """Stacked experts reach the linear pattern as slices of one parameter along dim 0;
+    a column slice, a strided slice or a computed tensor is not a weight."""
+    import torch.fx as fx
+
+    from minimax_backend.patterns.fx import is_weight
+
+    g = fx.Graph()
+    w = g.placeholder("w")
+    rows = g.call_function(torch.ops.aten.slice.Tensor, (w, 0, 256, 512))
+    cols = g.call_function(torch.ops.aten.slice.Tensor, (w, 1, 0, 128))
+    strided = g.call_function(torch.ops.aten.slice.Tensor, (w, 0, 0, 512, 2))
+    computed = g.call_function(torch.ops.aten.slice.Tensor, (g.call_function(torch.ops.aten.neg.default, (w,)), 0, 0, 8))
+    assert is_weight(w) and is_weight(rows)
+    assert not is_weight(cols) and not is_weight(strided) and not is_weight(computed)
