@@ -301,6 +301,14 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float,
     return (up + beta) * (gate * torch.sigmoid(gate * alpha))
 
 
+def gated_activation(act: str, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float,
+                     beta: float) -> torch.Tensor:
+    """The gated MLP's activation: SwiGLU-OAI (M3) or SiLU(gate) * up (M2)."""
+    if act == "swigluoai":
+        return swiglu_oai(gate, up, alpha, limit, beta)
+    return F.silu(gate) * up
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x), up(x))), the dense MLP and the shared expert (routed experts: model/moe.py's LocalExperts).
 
@@ -328,11 +336,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        if self.act == "swigluoai":
-            h = swiglu_oai(gate, up, self.alpha, self.limit, self.beta)
-        else:
-            h = F.silu(gate) * up
-        out = self.down_proj(h)
+        out = self.down_proj(gated_activation(self.act, gate, up, self.alpha, self.limit, self.beta))
         return all_reduce(out, self.ps) if self.reduce_output else out
 
 

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import GatedMLP, shard, swiglu_oai
+from ..kernels.fp8 import WEIGHT_BLOCK
+from .layers import GatedMLP, gated_activation, shard
 from .linear import ParallelLinear, Piece, ReplicatedLinear
 from .parallel import ParallelState, all_reduce
 from .weights import attach_plan
@@ -159,17 +160,16 @@ class LocalExperts(nn.Module):
     def per_expert(self) -> tuple[list, list, list, list]:
         """Views of each expert's gate/up and down weights and (FP8) their block scales:
         [w13_0, ...], [w2_0, ...], [s13_0, ...] or [], [s2_0, ...] or []."""
-        gu, dn, b = self.gate_up_proj, self.down_proj, 128
+        gu, dn = self.gate_up_proj, self.down_proj
         w13 = list(gu.weight.split(2 * self.width))
         w2 = list(dn.weight.split(self.hidden))
         if not gu.fp8:
             return w13, w2, [], []
-        return w13, w2, list(gu.weight_scale_inv.split(2 * self.width // b)), list(dn.weight_scale_inv.split(self.hidden // b))
+        s13 = list(gu.weight_scale_inv.split(2 * self.width // WEIGHT_BLOCK))
+        s2 = list(dn.weight_scale_inv.split(self.hidden // WEIGHT_BLOCK))
+        return w13, w2, s13, s2
 
     def forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.forward_rows(x, 2 * self.width * i, 2 * self.width).chunk(2, dim=-1)
-        if self.act == "swigluoai":
-            h = swiglu_oai(gate, up, self.alpha, self.limit, self.beta)
-        else:
-            h = F.silu(gate) * up
+        h = gated_activation(self.act, gate, up, self.alpha, self.limit, self.beta)
         return self.down_proj.forward_rows(h, self.hidden * i, self.hidden)
