@@ -15,6 +15,10 @@ the weight so that no call finds its weight in L2):
   floor      the weight's bytes at the copy bandwidth measured in this run
 plus each one over the floor. --sweep also times every small-M config of a grid
 (BLOCK_N, SPLIT_K, warps, stages) and reports the best per shape and rows.
+
+`TRITON_INTERPRET=1 python -m minimax_backend.tools.bench_fp8_decode_gemm --dry-run`
+runs every code path on the CPU (Triton interpreter, shapes divided by 24, host
+clock; cuBLAS is reported as not run) to check the script; its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def _weights(n: int, k: int, device, seed: int):
     from minimax_backend.kernels.fp8 import quantize_weight_fp8
 
     g = torch.Generator(device=device).manual_seed(seed)
-    copies = max(2, -(-L2_CLEAR_BYTES // (n * k)))
+    copies = max(2, -(-L2_CLEAR_BYTES // (n * k))) if device.type == "cuda" else 2
     w, ws = quantize_weight_fp8(torch.randn(n, k, generator=g, device=device) * k**-0.5)
     return [(w.clone(), ws.clone()) for _ in range(copies)]
 
@@ -59,6 +63,8 @@ def _timed(make_call, weights, calls_per_graph: int = 12) -> float:
             make_call(w, ws)
 
     make_call(*weights[0])  # compile / pick the layout outside the capture
+    if not torch.cuda.is_available():  # --dry-run: the host clock, a call or two
+        return median_ms(step, warmup=0, repeats=1) / calls_per_graph
     return median_ms(graphed(step), warmup=3, repeats=10) / calls_per_graph
 
 
@@ -68,28 +74,40 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     p.add_argument("--sweep", action="store_true", help="also time every small-M config of the grid")
     p.add_argument("--sweep-rows", type=int, nargs="+", default=[1, 16], help="the row counts the sweep runs at")
+    p.add_argument("--dry-run", action="store_true", help="check the script on the CPU (see above)")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU")
+    if args.dry_run:
+        from minimax_backend.kernels.interpreter import triton_interpreting
+
+        if not triton_interpreting():
+            raise SystemExit("--dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
+        args.rows = [r for r in args.rows if r <= 16][:2]
+    elif not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU (--dry-run checks the script on the CPU)")
     import minimax_backend.kernels  # noqa: F401  (registers the ops)
     from minimax_backend.kernels.fp8_gemm_cuda import fp8_block_gemm_scaled_mm
     from minimax_backend.kernels.fp8_small_m_triton import (SmallMConfig, fp8_small_m_gemm, small_m_config,
                                                             small_m_supports)
     from minimax_backend.tools.bench_common import copy_bandwidth_gbs, print_table, write_json
 
-    device = torch.device("cuda")
+    device = torch.device("cpu" if args.dry_run else "cuda")
     gbs = copy_bandwidth_gbs(device)
     print(f"copy bandwidth {gbs:.0f} GB/s", flush=True)
     rows, sweep_rows = [], []
-    for si, (name, n, k) in enumerate(m3_shapes(args.tp)):
+    shapes = m3_shapes(args.tp)
+    if args.dry_run:  # the same GEMMs divided by 24 (K stays a multiple of 128)
+        shapes = [(name, n // 24, max(128, k // 24 // 128 * 128)) for name, n, k in shapes]
+    for si, (name, n, k) in enumerate(shapes):
         weights = _weights(n, k, device, seed=si)
         floor = n * k / gbs / 1e6  # FP8 bytes; the activations and scales are noise at these rows
         for m in args.rows:
             g = torch.Generator(device=device).manual_seed(m)
             xq, xs = torch.ops.minimax.quantize_fp8(torch.randn(m, k, generator=g, device=device), 128)
             row = {"gemm": name, "n": n, "k": k, "rows": m, "floor_ms": floor}
-            row["cublas_ms"] = _timed(lambda w, ws: fp8_block_gemm_scaled_mm(xq, xs, w, ws, torch.bfloat16), weights)
+            if device.type == "cuda":
+                row["cublas_ms"] = _timed(lambda w, ws: fp8_block_gemm_scaled_mm(xq, xs, w, ws, torch.bfloat16),
+                                          weights)
             row["op_ms"] = _timed(lambda w, ws: torch.ops.minimax.fp8_block_gemm(xq, xs, w, ws, torch.bfloat16),
                                   weights)
             if small_m_supports(m, k, 128):
@@ -99,7 +117,8 @@ def main(argv=None) -> None:
                                            weights)
                 if args.sweep and m in args.sweep_rows:
                     best = None
-                    for bn, sk, wp, st in itertools.product(*SWEEP.values()):
+                    grid = list(itertools.product(*SWEEP.values()))
+                    for bn, sk, wp, st in grid[:3] if args.dry_run else grid:
                         if (k // 128) % sk:
                             continue
                         c = SmallMConfig(bn, sk, wp, st)
