@@ -63,13 +63,9 @@ def small_m_config(n: int, k: int, sms: int = 132) -> SmallMConfig:
     block_n = 64
     groups = k // WEIGHT_BLOCK
     split = 1
-    if triton_cdiv(n, block_n) < 2 * sms:
+    if -(-n // block_n) < 2 * sms:
         split = next((s for s in (4, 2) if groups % s == 0 and groups // s >= 8), 1)
     return SmallMConfig(block_n, split, 4, 4)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 if HAVE_TRITON:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import math
 import zlib
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -144,9 +145,11 @@ def _by_piece(m: ParallelLinear) -> bool:
     return len(m.pieces) > 8 and (not m.fp8 or all(p.size % WEIGHT_BLOCK == 0 for p in m.pieces[:-1]))
 
 
-def _set_weight(m: ParallelLinear, parts: list[torch.Tensor]) -> None:
+def _set_weight(m: ParallelLinear, parts: Iterable[torch.Tensor]) -> None:
+    """The linear's weight from its pieces' rows, in order: concatenated, or one piece at a
+    time where _by_piece says so (`parts` may then be a generator: one piece in memory)."""
     if not _by_piece(m):
-        m.set_weight(torch.cat(parts, dim=0).float())
+        m.set_weight(torch.cat(list(parts), dim=0).float())
         return
     start = 0
     for part in parts:
@@ -184,15 +187,14 @@ def fast_random_weights(model: nn.Module, seed: int = 0, config=None) -> nn.Modu
             _, std = init_std(source.name, m.in_full, config)
             return torch.randn(piece.size, m.in_features, generator=gen, device=m.weight.device) * std
 
+        def blocked(w, gen=gen, blocks=blocks):
+            return w * _device_blocks(tuple(w.shape), gen, w.device) if blocks else w
+
         if _by_piece(m):  # stacked experts: one expert's rows at a time (the whole is GBs in float32)
-            start = 0
-            for source, piece in zip(get_plan(m.weight).pieces, m.pieces):
-                w = draw(source, piece)
-                m.set_rows(start, w * _device_blocks(tuple(w.shape), gen, w.device) if blocks else w)
-                start += piece.size
+            _set_weight(m, (blocked(draw(src, pc)) for src, pc in zip(get_plan(m.weight).pieces, m.pieces)))
         else:
             w = torch.cat([draw(src, pc) for src, pc in zip(get_plan(m.weight).pieces, m.pieces)], dim=0)
-            m.set_weight(w * _device_blocks(tuple(w.shape), gen, w.device) if blocks else w)
+            m.set_weight(blocked(w))  # blocks over the whole: the same draws as before stacking
             del w
         done.update({id(m.weight), id(m.weight_scale_inv)})
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
