@@ -49,6 +49,42 @@ def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, barrier
     return statistics.median(times)
 
 
+def interleaved_median_ms(fns: dict[str, Callable[[], Any]], warmup: int = 3, repeats: int = 10,
+                          barrier: Callable[[], None] | None = None) -> dict[str, float]:
+    """Median wall ms of each fn, timed in rounds that call every fn once, the order
+    rotated from round to round.
+
+    Timed one after the other, a drift of the GPU's clocks or temperature over the
+    run (prefill keeps the card near its power limit) falls on whichever variant runs
+    later; interleaved, it reaches every variant alike (docs/measurements/2026-12-02.md).
+    Each call is timed as in median_ms (a synchronize and the barrier before it, CUDA
+    events around it; the host clock without CUDA)."""
+    cuda = torch.cuda.is_available()
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if cuda:
+                torch.cuda.synchronize()
+            if barrier is not None:
+                barrier()
+            if not cuda:
+                t0 = time.perf_counter()
+                fns[name]()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name]()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 QUEUE_AHEAD_CYCLES = 40_000_000  # ~20 ms of GPU clock: longer than any call's host work
 
 

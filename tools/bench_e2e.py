@@ -32,14 +32,17 @@ weight the batch touches and the KV it attends to) over that bandwidth
 (`floor_ms`, and ours over it), prefill rows the matrix FLOPs over our time as
 TFLOP/s and as a fraction of the plain GEMM's rate.
 
-Each variant is compiled on its first call at each size (timed as compile_s),
-then timed (CUDA events, medians of --repeats, a barrier before each call so
-the ranks start together). On a GPU each compiled variant's call is also
+Each variant is compiled on its first call at each size (timed: first_call_s),
+then all are timed together in rounds of one call each, the order rotated per
+round, so a drift of the GPU's clocks over the run reaches them alike (CUDA
+events, medians of --repeats, a barrier before each call so the ranks start
+together). On a GPU each compiled variant's call is also
 split into host ms (Python until the call returns) and device ms (the call
 issued behind a busy GPU, so only its GPU work and the gaps between its
 kernels count); --profile adds the kernel time and launches per call. Every
-variant's logits are compared with eager's
-(relative error to the largest logit, argmax agreement). Rank 0 prints one
+variant's logits are compared with eager's (each token's largest
+|difference| over the largest logit: the worst token, the median one, the 90th
+percentile; argmax agreement). Rank 0 prints one
 table per workload kind and writes the JSON after every workload, so a run cut
 short keeps what it measured.
 """
@@ -63,6 +66,10 @@ ABLATIONS = {
 }
 VARIANTS = ("eager", "torch-grouped", "inductor", "reduce-overhead", "minimax", *ABLATIONS)
 DEFAULT_VARIANTS = ("eager", "torch-grouped", "minimax", *ABLATIONS)
+# compare_logits' figures -> the row's column suffix. The largest error is usually one token
+# whose top-k routing sat on a near-tie; the per-token median and 90th percentile show the rest.
+_NUMERICS = {"max_rel_err": "rel_err", "median_token_rel_err": "token_err_median",
+             "p90_token_rel_err": "token_err_p90", "argmax_agreement": "argmax"}
 
 
 def make_variant(name: str, model, tp: int, ep: int, baseline_model=None):
@@ -119,8 +126,8 @@ def job(rank: int, world: int, args) -> None:
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState
     from minimax_backend.model.random_weights import fast_random_weights
-    from minimax_backend.tools.bench_common import (host_and_device_ms, kernel_profile, median_ms, top_kernels,
-                                                    write_json)
+    from minimax_backend.tools.bench_common import (host_and_device_ms, interleaved_median_ms, kernel_profile,
+                                                    top_kernels, write_json)
     from minimax_backend.tools.run_job import compare_logits, sync_device
 
     for name in ("recompile_limit", "cache_size_limit"):
@@ -177,38 +184,43 @@ def job(rank: int, world: int, args) -> None:
             ids, pos = _inputs(work, config, device, args.context)
             row = {"workload": work["kind"], "tokens": work["tokens"], "batch": work["batch"]}
             reference = None
-            for name, fn in variants.items():
+            for name, fn in variants.items():  # compile (the first call) and compare with eager
                 n_reports = len(compile_reports())
                 sync_device(device)
                 t0 = time.perf_counter()
                 out = _logits(fn(ids, pos))
                 sync_device(device)
                 first = time.perf_counter() - t0
+                row[f"{name}_first_call_s"] = first
+                extra = ""
                 if name == "eager":
                     reference = out.clone()
-                else:
-                    num = compare_logits(reference, out) if reference is not None else {}
-                    row[f"{name}_rel_err"] = num.get("max_rel_err")
-                    row[f"{name}_argmax"] = num.get("argmax_agreement")
+                elif reference is not None:
+                    num = compare_logits(reference, out)
+                    for key, col in _NUMERICS.items():
+                        row[f"{name}_{col}"] = num[key]
+                    extra = (f", rel err {num['max_rel_err']:.2e} (token median {num['median_token_rel_err']:.1e}), "
+                             f"argmax {num['argmax_agreement']:.3f}")
                 del out
-                ms = median_ms(lambda: fn(ids, pos), args.warmup, args.repeats, barrier)
-                row[f"{name}_ms"] = ms
-                row[f"{name}_first_call_s"] = first
-                if device.type == "cuda" and name != "eager":  # where the step goes: host work vs GPU work
-                    split = host_and_device_ms(lambda: fn(ids, pos), args.repeats, barrier)
-                    row[f"{name}_host_ms"], row[f"{name}_device_ms"] = split["host_ms"], split["device_ms"]
                 new = compile_reports()[n_reports:]
                 if new:
                     compile_info[f"{label}/{name}"] = {
                         "passes": [{k: p.get(k) for k in ("name", "enabled", "matches", "skipped")} for p in new[-1]["passes"]],
                         "cudagraphs": new[-1].get("cudagraphs"), "timings_s": new[-1].get("timings_s")}
+                progress(f"{label}: {name:<22} compiled, first call {first:5.1f}s{extra}")
+            calls = {name: (lambda fn=fn: fn(ids, pos)) for name, fn in variants.items()}
+            for name, ms in interleaved_median_ms(calls, args.warmup, args.repeats, barrier).items():
+                row[f"{name}_ms"] = ms
+                progress(f"{label}: {name:<22} {ms:8.3f} ms (median of {args.repeats}, interleaved)")
+            for name, call in calls.items():
+                if device.type == "cuda" and name != "eager":  # where the step goes: host work vs GPU work
+                    split = host_and_device_ms(call, args.repeats, barrier)
+                    row[f"{name}_host_ms"], row[f"{name}_device_ms"] = split["host_ms"], split["device_ms"]
                 if args.profile and name in ("minimax", "torch-grouped"):
-                    kernels, total_us = kernel_profile(lambda: fn(ids, pos), args.profile, device)
+                    kernels, total_us = kernel_profile(call, args.profile, device)
                     row[f"{name}_kernels"] = top_kernels(kernels, total_us, args.profile, 25)
                     row[f"{name}_kernel_us"] = total_us / args.profile
                     row[f"{name}_launches"] = sum(n for _, n in kernels.values()) / args.profile
-                extra = f", rel err {row.get(f'{name}_rel_err', 0) or 0:.2e}" if name != "eager" else ""
-                progress(f"{label}: {name:<22} {ms:8.3f} ms (first call {first:5.1f}s{extra})")
             for name in args.variants:
                 if name != "eager" and "eager" in variants:
                     row[f"x_vs_eager_{name}"] = row["eager_ms"] / row[f"{name}_ms"]
@@ -226,7 +238,7 @@ def job(rank: int, world: int, args) -> None:
                                        "moe_layers": args.moe_layers, "fp8": not args.bf16, "context": args.context,
                                        "dynamo_module_dict_guards": getattr(
                                            torch._dynamo.config, "use_recursive_dict_tags_for_guards", None),
-                                       "repeats": args.repeats, "variants": list(args.variants), "rows": rows,
+                                       "repeats": args.repeats, "timing": "interleaved", "variants": list(args.variants), "rows": rows,
                                        "floors": floors,
                                        "compiles": compile_info})
             if device.type == "cuda":
@@ -277,8 +289,9 @@ def _tables(rows, variants) -> None:
         if len(split_cols) > 1:
             print_table(part, split_cols, title=f"{kind}: host ms per call, device ms (issued behind a busy GPU), "
                                                 "kernel us and launches per call (--profile)")
-        err_cols = [key] + [c for c in part[0] if c.endswith("_rel_err") or c.endswith("_argmax")]
-        print_table(part, err_cols, title=f"{kind}: logits vs eager")
+        err_cols = [key] + [c for c in part[0] if c.endswith(tuple("_" + col for col in _NUMERICS.values()))]
+        print_table(part, err_cols, title=f"{kind}: logits vs eager (max |diff| per token / largest logit: "
+                                          "the worst token, the median token, the 90th percentile; argmax agreement)")
         for r in part:
             for name in ("minimax", "torch-grouped"):
                 if f"{name}_kernels" in r:
