@@ -34,6 +34,10 @@ def test_bench_e2e_smoke_on_cpu(tmp_path):
     prefill, decode = d["rows"]
     assert prefill["minimax_tflops"] > 0 and 0 < prefill["minimax_frac_of_gemm"]
     assert decode["floor_ms"] > 0 and decode["minimax_over_floor"] > 0
+    # the floor's routed experts, counted per MoE layer in eager's step: 2 tokens x top-2, 4 local
+    # experts per rank at EP 2
+    assert len(decode["experts_touched"]) == 2 and all(0 <= n <= 4 for n in decode["experts_touched"])
+    assert "experts_touched" not in prefill
     assert {"copy_gbs", "fp8_tflops", "bf16_tflops"} <= set(d["floors"])
     assert d["fp8"] is True and d["tp"] == 2 and d["ep"] == 2 and d["timing"] == "interleaved"
     assert any(k.endswith("/minimax") for k in d["compiles"])

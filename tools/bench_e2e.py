@@ -28,7 +28,8 @@ values: the attention cost does not depend on them). Variants:
 Floors, from the same run: the device-to-device copy bandwidth and a plain
 GEMM's rate (FP8 block-scaled torch._scaled_mm and BF16 torch.mm, 8192^3) are
 measured first; decode rows give the step's bytes (tools/roofline.py: every
-weight the batch touches and the KV it attends to) over that bandwidth
+weight the batch touches, the routed experts counted in eager's call, and the
+KV it attends to) over that bandwidth
 (`floor_ms`, and ours over it), prefill rows the matrix FLOPs over our time as
 TFLOP/s and as a fraction of the plain GEMM's rate.
 
@@ -120,6 +121,29 @@ def _fill_cache(model, batch: int, context: int, seed: int) -> None:
             buf.copy_(torch.randn(buf.shape, generator=gen, device=buf.device, dtype=torch.float32).to(buf.dtype))
 
 
+def _experts_touched(model, call):
+    """(call(), the distinct local experts each MoE layer's router picked during it), in
+    eager: the routed weights a decode step must read, for the floor. A random model's
+    batch may share experts more (or less) than uniform routing would."""
+    from minimax_backend.model.moe import MoE
+
+    touched, hooks = [], []
+
+    def count(moe, args, _out):
+        ids = moe.route(args[0])[0]
+        first, n_local = moe.first_expert, len(moe.experts)
+        touched.append(int(ids[(ids >= first) & (ids < first + n_local)].unique().numel()))
+
+    for m in model.modules():
+        if isinstance(m, MoE):
+            hooks.append(m.register_forward_hook(count))
+    try:
+        return call(), touched
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def job(rank: int, world: int, args) -> None:
     from minimax_backend.graph_passes.backend import compile_reports
     from minimax_backend.model.presets import load_preset
@@ -188,7 +212,11 @@ def job(rank: int, world: int, args) -> None:
                 n_reports = len(compile_reports())
                 sync_device(device)
                 t0 = time.perf_counter()
-                out = _logits(fn(ids, pos))
+                if name == "eager" and work["kind"] == "decode":  # the experts this step reads: the floor's
+                    out, row["experts_touched"] = _experts_touched(model, lambda: fn(ids, pos))
+                    out = _logits(out)
+                else:
+                    out = _logits(fn(ids, pos))
                 sync_device(device)
                 first = time.perf_counter() - t0
                 row[f"{name}_first_call_s"] = first
@@ -262,8 +290,8 @@ def _floor_columns(row, work, config, world, args, floors) -> None:
     if "minimax_ms" not in row:
         return
     if work["kind"] == "decode":
-        floor_ms = decode_bytes(config, work["batch"], args.context, world, args.ep, not args.bf16) \
-            / floors["copy_gbs"] / 1e6
+        floor_ms = decode_bytes(config, work["batch"], args.context, world, args.ep, not args.bf16,
+                                touched_experts=row.get("experts_touched")) / floors["copy_gbs"] / 1e6
         row["floor_ms"] = floor_ms
         row["minimax_over_floor"] = row["minimax_ms"] / floor_ms
     else:

@@ -5,9 +5,10 @@
 
 Decode reads every weight the batch touches once (all of attention, the
 dense MLPs, the shared expert and lm_head; of the routed experts, those the
-batch's tokens pick: for B tokens with top-k of E, E * (1 - (1 - k/E)^B) on
-average) and the KV cache each query attends to (dense layers: every key;
-MSA layers: the index-K cache plus the selected blocks' keys and values).
+batch's tokens pick: counted in the step measured where the caller has them,
+else for B tokens with top-k of E, E * (1 - (1 - k/E)^B) on average) and the
+KV cache each query attends to (dense layers: every key; MSA layers: the
+index-K cache plus the selected blocks' keys and values).
 Over the copy bandwidth measured on the card this is the decode floor.
 Prefill FLOPs count 2 per multiply-add of every GEMM with the routed experts
 at top-k, and attention's QK and PV products (causal; MSA: over the selected
@@ -17,6 +18,8 @@ are left out (small).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 __all__ = ["decode_bytes", "prefill_flops", "weight_bytes"]
 
@@ -54,10 +57,19 @@ def _touched_experts(c, batch: int, ep: int) -> float:
     return e / ep * (1.0 - (1.0 - k / e) ** batch)
 
 
-def decode_bytes(c, batch: int, context: int, tp: int = 1, ep: int = 1, fp8: bool = False) -> float:
+def decode_bytes(c, batch: int, context: int, tp: int = 1, ep: int = 1, fp8: bool = False,
+                 touched_experts: Sequence[int] | None = None) -> float:
+    """touched_experts: how many distinct local experts each MoE layer's router picked in the
+    step measured (a random model's tokens can share experts more than uniform routing
+    would); None: the uniform-routing average."""
     w = weight_bytes(c, tp, ep, fp8)
     moe_layers = sum(1 for t in c.mlp_layer_types if t == "moe")
-    total = w["always"] + moe_layers * _touched_experts(c, batch, ep) * w["expert"]
+    if touched_experts is None:
+        total = w["always"] + moe_layers * _touched_experts(c, batch, ep) * w["expert"]
+    else:
+        if len(touched_experts) != moe_layers:
+            raise ValueError(f"decode_bytes: {len(touched_experts)} touched-expert counts for {moe_layers} MoE layers")
+        total = w["always"] + sum(touched_experts) * w["expert"]
     kv_local = max(c.num_key_value_heads // tp, 1)
     kv_per_key = 2 * kv_local * c.head_dim * 2.0  # K and V, BF16
     seen = context + 1
