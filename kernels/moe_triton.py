@@ -260,6 +260,82 @@ if HAVE_TRITON:
             v = v.to(tl.float16).to(tl.float32)
         return v
 
+    @triton.jit
+    def _gate_up_two_dots(x_ptr, xs_ptr, w, ws, token, valid, pid_n, N_HALF, stride_x, stride_xs,
+                          K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """The [BM, BN] gate and up tiles of x[token] @ w13.T over K: one product each per K step."""
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < N_HALF
+        offs_k = tl.arange(0, BK)
+        kb_total = tl.cdiv(K, 128)
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(x_ptr + token[:, None] * stride_x + (k0 + offs_k)[None, :],
+                        mask=valid[:, None] & k_ok[None, :], other=0.0)
+            bg = tl.load(w + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :],
+                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            bu = tl.load(w + (N_HALF + offs_n)[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :],
+                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                bg = bg.to(tl.float32)
+                bu = bu.to(tl.float32)
+            if FP8:
+                kb = k0 // 128
+                a_s = tl.load(xs_ptr + token * stride_xs + kb, mask=valid, other=0.0)
+                g_s = tl.load(ws + ((pid_n * BN) // 128) * kb_total + kb)
+                u_s = tl.load(ws + ((N_HALF + pid_n * BN) // 128) * kb_total + kb)
+                acc_g += tl.dot(a, tl.trans(bg), out_dtype=tl.float32) * (a_s[:, None] * g_s)
+                acc_u += tl.dot(a, tl.trans(bu), out_dtype=tl.float32) * (a_s[:, None] * u_s)
+            elif IEEE:  # float32 models: no silent TF32
+                acc_g = tl.dot(a, tl.trans(bg), acc_g, input_precision="ieee", out_dtype=tl.float32)
+                acc_u = tl.dot(a, tl.trans(bu), acc_u, input_precision="ieee", out_dtype=tl.float32)
+            else:
+                acc_g = tl.dot(a, tl.trans(bg), acc_g, out_dtype=tl.float32)
+                acc_u = tl.dot(a, tl.trans(bu), acc_u, out_dtype=tl.float32)
+        return acc_g, acc_u
+
+    @triton.jit
+    def _gate_up_one_dot(x_ptr, xs_ptr, w, ws, token, valid, pid_n, N_HALF, stride_x, stride_xs,
+                         K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """The same two tiles from one [BM, 2 BN] product per K step: the weight tile holds gate
+        and up rows interleaved (column 2j of the product is gate column j, 2j + 1 up column j),
+        so one wider MMA reads the activation tile once instead of twice, and the split after
+        the loop pairs columns each thread already holds."""
+        j = tl.arange(0, 2 * BN)
+        is_up = j % 2
+        offs_n = pid_n * BN + j // 2
+        w_row = tl.where(is_up == 1, N_HALF + offs_n, offs_n).to(tl.int64)
+        n_ok = offs_n < N_HALF
+        offs_k = tl.arange(0, BK)
+        kb_total = tl.cdiv(K, 128)
+        acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(x_ptr + token[:, None] * stride_x + (k0 + offs_k)[None, :],
+                        mask=valid[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w + w_row[:, None] * K + (k0 + offs_k)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if FP8:
+                kb = k0 // 128
+                a_s = tl.load(xs_ptr + token * stride_xs + kb, mask=valid, other=0.0)
+                g_s = tl.load(ws + ((pid_n * BN) // 128) * kb_total + kb)
+                u_s = tl.load(ws + ((N_HALF + pid_n * BN) // 128) * kb_total + kb)
+                col_s = tl.where(is_up == 1, u_s, g_s)
+                acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (a_s[:, None] * col_s[None, :])
+            elif IEEE:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee", out_dtype=tl.float32)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
+        return tl.split(tl.reshape(acc, (BM, BN, 2)))
+
     # K (and top_k below) are constexpr: the loops need Python ints as bounds under the
     # interpreter of triton 3.6 with numpy 2 (a runtime int arrives as a 1-element array
     # there: "only 0-dimensional arrays can be converted", seen on the GPU box). One
@@ -271,6 +347,7 @@ if HAVE_TRITON:
         alpha, limit, beta, SHARED: tl.constexpr,
         ACT: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        ONE_DOT: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         pid_m = pid % num_m_blocks  # m fastest: the blocks of one expert share its weight tile in L2
@@ -288,43 +365,21 @@ if HAVE_TRITON:
             token = tl.where(valid, pair // top_k, 0).to(tl.int64)
             offs_n = pid_n * BN + tl.arange(0, BN)
             n_ok = offs_n < N_HALF
-            offs_k = tl.arange(0, BK)
             # expert weights have the activation's element type (bf16 / fp16 / fp32, or fp8 with fp8).
             # A pointer read from memory has no known alignment: without the hint (allocations are
             # 512-byte aligned) Triton loads the weight tiles byte by byte.
             w = tl.load(w_table + e).to(tl.pointer_type(x_ptr.dtype.element_ty))
             if not INTERP:  # a compiler hint only; older interpreters reject it on a pointer
                 w = tl.multiple_of(w, 16)
-            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-            kb_total = tl.cdiv(K, 128)
+            ws = w
             if FP8:
                 ws = tl.load(ws_table + e).to(tl.pointer_type(tl.float32))
-            for k0 in range(0, K, BK):
-                k_ok = (k0 + offs_k) < K
-                a = tl.load(x_ptr + token[:, None] * stride_x + (k0 + offs_k)[None, :],
-                            mask=valid[:, None] & k_ok[None, :], other=0.0)
-                bg = tl.load(w + offs_n[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :],
-                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                bu = tl.load(w + (N_HALF + offs_n)[:, None].to(tl.int64) * K + (k0 + offs_k)[None, :],
-                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    bg = bg.to(tl.float32)
-                    bu = bu.to(tl.float32)
-                if FP8:
-                    kb = k0 // 128
-                    a_s = tl.load(xs_ptr + token * stride_xs + kb, mask=valid, other=0.0)
-                    g_s = tl.load(ws + ((pid_n * BN) // 128) * kb_total + kb)
-                    u_s = tl.load(ws + ((N_HALF + pid_n * BN) // 128) * kb_total + kb)
-                    acc_g += tl.dot(a, tl.trans(bg), out_dtype=tl.float32) * (a_s[:, None] * g_s)
-                    acc_u += tl.dot(a, tl.trans(bu), out_dtype=tl.float32) * (a_s[:, None] * u_s)
-                elif IEEE:  # float32 models: no silent TF32
-                    acc_g = tl.dot(a, tl.trans(bg), acc_g, input_precision="ieee", out_dtype=tl.float32)
-                    acc_u = tl.dot(a, tl.trans(bu), acc_u, input_precision="ieee", out_dtype=tl.float32)
-                else:
-                    acc_g = tl.dot(a, tl.trans(bg), acc_g, out_dtype=tl.float32)
-                    acc_u = tl.dot(a, tl.trans(bu), acc_u, out_dtype=tl.float32)
+            if ONE_DOT:
+                acc_g, acc_u = _gate_up_one_dot(x_ptr, xs_ptr, w, ws, token, valid, pid_n, N_HALF, stride_x, stride_xs,
+                                                K, FP8, UPCAST, IEEE, BM, BN, BK)
+            else:
+                acc_g, acc_u = _gate_up_two_dots(x_ptr, xs_ptr, w, ws, token, valid, pid_n, N_HALF, stride_x, stride_xs,
+                                                 K, FP8, UPCAST, IEEE, BM, BN, BK)
             # The eager MLP rounds the gate/up GEMM to the activation dtype first.
             g = _round_out(acc_g, OUT_KIND, INTERP)
             u = _round_out(acc_u, OUT_KIND, INTERP)
@@ -565,6 +620,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     launch = {kk: cfg[kk] for kk in ("num_warps", "num_stages") if kk in cfg}
     down_launch = {"num_warps": cfg.get("down_warps", cfg.get("num_warps", 4)),
                    "num_stages": cfg.get("down_stages", cfg.get("num_stages", 3))}
+    # a config may pin the gate/up product's shape (tools/tune_moe.py), else the kernel option
+    one_dot = cfg.get("ONE_DOT", kernel_options().moe_gate_up == "one_dot")
     if fp8 and (bn != 128 or bk != 128):
         raise ValueError("FP8 grouped GEMMs need BN = BK = 128 (the quantization group)")
     if fp8 and 128 % bn_down:
@@ -602,7 +659,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         xq, xs, w13_t, ws13_t, al.sorted_pair, al.block_expert, h, hs,
         hidden, n, n_shared, k, n_experts, num_m, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
         float(alpha), float(limit), float(beta), shared is not None,
-        ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn, BK=bk, **launch,
+        ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn, BK=bk,
+        ONE_DOT=one_dot, **launch,
     )
     y = torch.empty(rows, hidden, dtype=out_dt, device=dev)
     tw = weights.reshape(-1).to(torch.float32).contiguous()

@@ -31,7 +31,7 @@ from minimax_backend.kernels.options import override_kernel_options
 triton = pytest.importorskip("triton", reason="the Triton MoE path needs triton (pip install triton)")
 
 # The non-default MoE kernel switches (kernels/options.py), as option=value.
-OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch"]
+OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch", "moe_gate_up=one_dot"]
 
 
 def _switched(switch: str):
@@ -293,6 +293,58 @@ def test_shared_expert_in_the_grouped_launch_equals_its_own_launch(interp, case,
                                          0, *common, single_expert=True)
         assert merged.dtype == dtype
         assert torch.equal(merged, routed.to(dtype) + alone.to(dtype))
+
+
+# prefill tiles (BLOCK_M 64 and 128, 8 warps) on 37 tokens, the shared expert full and half width
+@pytest.mark.parametrize("case, bm, shared_width", [
+    ("m3_fp8", 64, "full"), ("m3_fp8", 128, "half"), ("m3_bf16", 128, "full"), ("m3_bf16", 64, "half"),
+    ("m3_f32", 64, "full"),
+])
+def test_gate_up_as_one_product_equals_two(interp, case, bm, shared_width):
+    """moe_gate_up=one_dot (gate and up rows interleaved in one weight tile, one product per K
+    step) sums the same terms as the two products: both match the reference, and each other
+    to a tenth of the tolerance (seen: bit-equal in BF16 and FP8; float32 differs in the last
+    bits, numpy's matmul blocking the product differently at twice the width)."""
+    make, dtype, fp8, tol = CASES[case]
+    w = R.MoEWeights(*K.block_op_args(_block(make, dtype, fp8)))
+    sh = _shared_args(w, w.shared_w2.shape[1] // (2 if shared_width == "half" else 1))
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(37)).to(dtype)
+    ids, tw = w.route(x)
+    base = {"BM": bm, "BN": 128, "BK": 128 if fp8 else 32 if dtype == torch.float32 else 64, "num_warps": 8,
+            "num_stages": 2}
+    sc = (w.w13_scale, w.w2_scale) if fp8 else (None, None)
+    out = {}
+    for one_dot in (False, True):
+        common = ("swigluoai", w.alpha, w.limit, w.beta, w.num_experts, dict(base, ONE_DOT=one_dot))
+        out[one_dot] = interp.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, *sc, 0, *common, shared=sh)
+    assert _err(out[True], out[False], fp8) <= TOL[tol] / 10
+    alone = R.gated_mlp(x, *sh, "swigluoai", w.alpha, w.limit, w.beta, w.group)
+    ref = R.local_experts_reference(x, ids, tw, w).to(dtype) + alone
+    assert _err(out[True], ref, fp8) <= (2 * TOL[tol] if not fp8 else TOL[tol])
+
+
+def test_gate_up_switch_reaches_the_kernel(interp, monkeypatch):
+    """The kernel option picks the product's shape where the tile config does not pin it."""
+    kt = interp
+    seen = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(kwargs["ONE_DOT"])
+                raise RuntimeError("stop after the gate/up launch")
+            return launch
+
+    monkeypatch.setattr(kt, "_gate_up_act_kernel", Launch())
+    w = R.MoEWeights(*K.block_op_args(_block(tiny_m3_clamping, torch.bfloat16, False)))
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    ids, tw = w.route(x)
+    args = (x, ids, tw, w.w13, w.w2, None, None, 0, "swigluoai", w.alpha, w.limit, w.beta, w.num_experts)
+    for option, pinned, want in (("two_dots", None, False), ("one_dot", None, True), ("one_dot", False, False)):
+        cfg = dict(kt.tile_config(5, 2, 8, False), **({} if pinned is None else {"ONE_DOT": pinned}))
+        with override_kernel_options(moe_gate_up=option), pytest.raises(RuntimeError, match="stop after"):
+            kt.grouped_gated_mlp(*args, config=cfg)
+        assert seen[-1] is want
 
 
 @pytest.mark.parametrize("case", ALIGN_CASES)

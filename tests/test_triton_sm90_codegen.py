@@ -13,6 +13,7 @@ memory must fit the H200's 227 KB.
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -44,6 +45,9 @@ def compile_sm90(fn, signature: dict, constants: dict, aligned: list, **options)
 def compiled_sm90(fn, signature: dict, constants: dict, aligned: list, **options):
     """Triton's compiled kernel of fn for sm_90 (PTX and cubin), as compile_sm90 specializes it."""
     names = fn.arg_names
+    # constexpr parameters with a default (a kernel variant's switch) take it unless given
+    constants = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.name not in constants
+                    and p.name not in signature and p.default is not inspect.Parameter.empty}, **constants}
     full = {**signature, **{k: "constexpr" for k in constants}}
     try:
         src = ASTSource(fn=fn, signature={n: full[n] for n in names},
@@ -164,6 +168,39 @@ def test_moe_tile_table_compiles_without_register_spills(moe, fp8, tokens, tmp_p
     assert local_memory_bytes(gate_up, tmp_path) == 0, cfg
     assert local_memory_bytes(down, tmp_path) == 0, cfg
     assert max(gate_up.metadata.shared, down.metadata.shared) <= H200_SHARED_BYTES
+
+
+def mma_shapes(ptx: str) -> set:
+    """The wgmma instruction shapes in the PTX, e.g. {"m64n128k32"}."""
+    return set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+
+
+def mma_waits(ptx: str) -> int:
+    return len(re.findall(r"wgmma\.wait_group\.sync\.aligned", ptx))
+
+
+@pytest.mark.parametrize("fp8, bm", [(True, 64), (False, 128)])
+def test_gate_up_as_one_product_compiles_to_wider_mmas(moe, fp8, bm, tmp_path):
+    """moe_gate_up=one_dot at the prefill tiles (8 warps): each K step is one product [BM, 2 x 128]
+    instead of two [BM, 128], so the MMAs are twice as wide; in FP8, which waits for every
+    product to apply the block scales in float32, with half the waits. No register spills,
+    the same shared memory and 16-byte weight copies."""
+    base = dict(FP8, BM=bm) if fp8 else dict(BF16, BM=bm)
+    sig = GATE_UP_SIG if fp8 else {**GATE_UP_SIG, "x_ptr": "*bf16", "h_ptr": "*bf16"}
+    got = {}
+    for one_dot in (False, True):
+        got[one_dot] = compiled_sm90(moe._gate_up_act_kernel, sig, dict(base, K=6144, ACT=0, BN=128, SHARED=False,
+                                                                        ONE_DOT=one_dot),
+                                     GATE_UP_ALIGNED, num_warps=8, num_stages=4)
+    two, one = got[False], got[True]
+    width = lambda ptx: {int(re.search(r"n(\d+)", s).group(1)) for s in mma_shapes(ptx)}  # noqa: E731
+    assert width(one.asm["ptx"]) == {2 * w for w in width(two.asm["ptx"])}
+    if fp8:
+        assert mma_waits(one.asm["ptx"]) < mma_waits(two.asm["ptx"])
+    assert local_memory_bytes(one, tmp_path) == 0
+    assert one.metadata.shared == two.metadata.shared <= H200_SHARED_BYTES
+    copies = async_copies(one.asm["ptx"])
+    assert copies.get(16, 0) > 0 and set(copies) == {16}, copies
 
 
 def test_spill_check_sees_a_spilling_config(moe, tmp_path):
