@@ -79,8 +79,27 @@ def _slice(out: Any, batch: int, length: int, seq: int) -> Any:
     return out
 
 
+def _kept_after_padding(logits_to_keep: int | torch.Tensor, seq: int, length: int,
+                        device: torch.device) -> int | torch.Tensor | None:
+    """The model's logits_to_keep for a call padded from seq to length positions. None: every
+    position (the argument is not passed, so models without it run). A count n of the last
+    positions becomes the indices of the last n real ones when pads follow them, a tensor
+    (a graph input: every length in a bucket shares one graph)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return logits_to_keep  # positions of the real tokens: pads are appended after them
+    if logits_to_keep == 0:
+        return None
+    if length == seq:
+        return logits_to_keep
+    if isinstance(logits_to_keep, bool) or not 0 < logits_to_keep <= seq:
+        raise ValueError(f"logits_to_keep={logits_to_keep!r}: a count of the input's {seq} positions, "
+                         f"a tensor of positions, or 0 for all")
+    return torch.arange(seq - logits_to_keep, seq, device=device)
+
+
 class BucketedRunner:
-    """`runner(input_ids, positions)`: the model's outputs for the real tokens, run at a bucket size."""
+    """`runner(input_ids, positions[, logits_to_keep])`: the model's outputs for the real tokens,
+    run at a bucket size."""
 
     def __init__(self, model: Callable, buckets: Sequence[int], multiple: int = 1, max_positions: int | None = None):
         self.model = model
@@ -92,11 +111,15 @@ class BucketedRunner:
         last = int(positions[:, -1].max()) if self.max_positions is not None else None
         return padded_length(batch, seq, self.buckets, 1, last, self.max_positions)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor):
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: int | torch.Tensor = 0):
+        """logits_to_keep as the model takes it; a count means the last REAL positions (see
+        _kept_after_padding)."""
         batch, seq = input_ids.shape
         length = self.length_for(input_ids, positions)
         ids, pos = pad_tokens(input_ids, positions, length)
-        return _slice(self.model(ids, pos), batch, length, seq)
+        keep = _kept_after_padding(logits_to_keep, seq, length, input_ids.device)
+        out = self.model(ids, pos) if keep is None else self.model(ids, pos, logits_to_keep=keep)
+        return _slice(out, batch, length, seq)
 
     def warm_up(self, device: torch.device | str, batch: int = 1, sizes: Sequence[int] | None = None,
                 progress: Callable[[str], None] = print) -> dict[int, float]:

@@ -34,6 +34,8 @@ FP8 linears add `<name>.weight_scale_inv` next to each `<name>.weight`.
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 from torch import nn
 
@@ -46,6 +48,24 @@ from .parallel import ParallelState, all_gather
 from .random_weights import init_random_weights
 
 __all__ = ["MiniMaxForCausalLM", "DecoderLayer", "MTPModule", "build_model", "init_random_weights"]
+
+
+def _kept_positions(h: torch.Tensor, logits_to_keep: Union[int, torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """(positions kept, h [B, kept, hidden]) for forward's logits_to_keep."""
+    seq = h.shape[1]
+    if isinstance(logits_to_keep, torch.Tensor):
+        if logits_to_keep.dim() != 1 or logits_to_keep.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"logits_to_keep: a 1-D integer tensor of positions, got {logits_to_keep.dim()}-D "
+                             f"{logits_to_keep.dtype}")
+        return logits_to_keep.numel(), h[:, logits_to_keep]
+    if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep: 0 (every position), a count n > 0 or a tensor of positions, "
+                         f"got {logits_to_keep!r}")
+    if logits_to_keep == 0:
+        return seq, h
+    if logits_to_keep > seq:
+        raise ValueError(f"logits_to_keep={logits_to_keep}: the input has only {seq} positions")
+    return logits_to_keep, h[:, seq - logits_to_keep:]
 
 
 class DecoderLayer(nn.Module):
@@ -114,9 +134,15 @@ class MiniMaxForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPModule(self, i, fp8=fp8) for i in range(config.num_mtp_modules))
         self.aux_layers = tuple(config.aux_hidden_state_layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_to_keep: Union[int, torch.Tensor] = 0):
         """input_ids, positions [B, S] -> logits [B, S, vocab]
-        (plus aux hidden states [B, S, n_aux, hidden] when config.aux_hidden_state_layers is set)."""
+        (plus aux hidden states [B, S, n_aux, hidden] when config.aux_hidden_state_layers is set).
+
+        logits_to_keep (as in transformers): 0 = every position's logits; n > 0 = the last n
+        positions' only ([B, n, vocab]: a prefill that samples one token needs n = 1, and the
+        lm_head over every position is a third of an 8k prefill); a 1-D tensor = the positions
+        at those indices (a prefill padded to a bucket keeps its last real position)."""
         batch, seq = input_ids.shape
         cos, sin = rope_cos_sin(positions.reshape(-1), self.config.rotary_dim, self.config.rope_theta)
         attn_mask = self._attn_mask(positions)
@@ -128,7 +154,8 @@ class MiniMaxForCausalLM(nn.Module):
             if i in self.aux_layers:
                 aux[i] = h  # the residual stream after layer i (what speculative drafts read)
 
-        logits = self.compute_logits(self.norm(h)).view(batch, seq, -1)
+        kept, h_kept = _kept_positions(h.view(batch, seq, -1), logits_to_keep)
+        logits = self.compute_logits(self.norm(h_kept.reshape(batch * kept, -1))).view(batch, kept, -1)
         if not self.aux_layers:
             return logits
         aux_hidden = torch.stack([aux[i] for i in self.aux_layers], dim=1)  # in config order

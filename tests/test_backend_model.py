@@ -37,6 +37,21 @@ def test_tiny_m3_prefill_equals_eager(codegen):
     assert "aten.topk" not in rep["ops_after"] and rep["ops_before"]["aten.topk"] == 2
 
 
+def test_prefill_keeping_only_the_last_logits_equals_eager():
+    """logits_to_keep=1 compiles (the lm_head runs on one row per sequence) and equals eager's."""
+    m = _model()
+    ids = torch.randint(0, m.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(7).expand(2, 7)
+    with torch.no_grad():
+        ref = m(ids, pos, logits_to_keep=1)
+        out = torch.compile(m, backend="minimax", fullgraph=True, options={"codegen": "fx", "strict": True})(
+            ids, pos, logits_to_keep=1)
+    assert out.shape == (2, 1, m.config.vocab_size)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    rep = gp.last_compile_report()
+    assert rep["ops_after"]["minimax.mega_moe"] == 2  # the MoE rewrite still matches
+
+
 def test_tiny_m3_with_kv_cache_prefill_then_decode():
     eager, comp = _model(), _model()
     for m in (eager, comp):

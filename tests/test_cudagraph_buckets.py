@@ -97,6 +97,35 @@ def test_padded_prefill_and_decode_equal_unpadded(tiny_model, tokens):
     tiny_model.free_kv_cache()
 
 
+def test_padded_prefill_keeps_the_last_real_positions_logits(tiny_model):
+    """logits_to_keep=n through the runner: the last n REAL positions' logits, not the pads',
+    eager and compiled; the compiled runner makes one graph for two lengths of one bucket
+    (the kept positions are a tensor input there)."""
+    from minimax_backend.graph_passes.backend import compile_reports
+
+    torch._dynamo.reset()
+    compiled = gp.compile(tiny_model, codegen="fx", strict=True)
+    runners = {"eager": BucketedRunner(tiny_model, buckets=(8, 64)),
+               "compiled": BucketedRunner(compiled, buckets=(8, 64))}
+    before = len(compile_reports())
+    with torch.no_grad():
+        for tokens in (5, 7):
+            ids = torch.randint(0, 512, (2, tokens), generator=torch.Generator().manual_seed(tokens))
+            pos = torch.arange(tokens).expand(2, -1)
+            full = tiny_model(ids, pos)
+            for name, runner in runners.items():
+                for n in (1, 2):
+                    got = runner(ids, pos, logits_to_keep=n)
+                    assert got.shape == (2, n, 512), (name, n)
+                    torch.testing.assert_close(got, full[:, -n:], rtol=0, atol=1e-5 * full.abs().max().item())
+                got = runner(ids, pos, logits_to_keep=torch.tensor([0, 3]))
+                torch.testing.assert_close(got, full[:, [0, 3]], rtol=0, atol=1e-5 * full.abs().max().item())
+            with pytest.raises(ValueError, match="logits_to_keep=9"):
+                runners["eager"](ids, pos, logits_to_keep=9)
+    # one graph per number of kept positions (1, 2; the explicit pair [0, 3] is two too), shared by lengths 5 and 7
+    assert len(compile_reports()) - before == 2
+
+
 def test_warm_up_runs_every_bucket_with_progress(tiny_model):
     calls, lines = [], []
 

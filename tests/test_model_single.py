@@ -179,6 +179,25 @@ def test_fp8_shard_off_block_boundary_names_the_layer():
 
 
 # ------------------------------------------------------------- aux and MTP
+def test_logits_to_keep_selects_positions():
+    """The last n positions' logits, or those at given indices, equal the full forward's there
+    (float32: the lm_head over fewer rows may block its sums differently); bad values are refused."""
+    m = _model(tiny_m3_config())
+    ids, pos = _ids(2, 9), _pos(2, 0, 9)
+    with torch.no_grad():
+        full = m(ids, pos)
+        scale = full.abs().max()
+        for keep, want in ((1, full[:, -1:]), (4, full[:, -4:]), (9, full),
+                           (torch.tensor([0, 4, 8]), full[:, [0, 4, 8]])):
+            got = m(ids, pos, logits_to_keep=keep)
+            assert got.shape == want.shape
+            assert ((got - want).abs().max() / scale) < 1e-6, keep
+        for bad, match in ((10, "only 9 positions"), (-1, "got -1"), (True, "got True"),
+                           (torch.tensor([[1]]), "1-D integer"), (torch.tensor([1.0]), "1-D integer")):
+            with pytest.raises(ValueError, match=match):
+                m(ids, pos, logits_to_keep=bad)
+
+
 def test_aux_hidden_states_are_layer_outputs():
     model = _model(tiny_m3_config(aux_hidden_state_layers=(0, 2)))
     ids = _ids(2, 5)

@@ -154,6 +154,30 @@ def _check(results, tol):
             assert r["prefill"] <= tol and r["decode"] <= tol, r
 
 
+def _eager_vs_sp_last_logits(rank, world):
+    """A prefill that keeps only the last position's logits: the sharded stream is gathered
+    before the slice, so each rank gets every sequence's last row."""
+    from minimax_backend.graph_passes.backend import last_compile_report
+
+    model = _build(world, dtype=torch.float32)
+    compiled = _compile(model, world, world)
+    ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(37).expand(2, -1).contiguous()
+    with torch.no_grad():
+        eager = model(ids, pos, logits_to_keep=1)
+        got = compiled(ids, pos, logits_to_keep=1)
+    sp = next(p for p in last_compile_report()["passes"] if p["name"] == "sequence_parallel")
+    return {"shape": tuple(got.shape), "matches": sp["matches"],
+            "rel": ((eager - got).abs().max() / eager.abs().max()).item()}
+
+
+@pytest.mark.slow
+def test_tp2_prefill_keeping_the_last_logits():
+    for r in run_multirank(_eager_vs_sp_last_logits, 2, timeout=600):
+        assert r["shape"] == (2, 1, 512) and r["matches"] == 7, r
+        assert r["rel"] <= 1e-4, r
+
+
 @pytest.mark.slow
 def test_tp2_ep2_bf16_prefill_and_decode():
     results = run_multirank(_eager_vs_sp, 2, args=(2, [1, 37, 257], "bfloat16", "fx"), timeout=600)
