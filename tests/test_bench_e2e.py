@@ -40,4 +40,5 @@ def test_bench_e2e_smoke_on_cpu(tmp_path):
     assert "experts_touched" not in prefill
     assert {"copy_gbs", "fp8_tflops", "bf16_tflops"} <= set(d["floors"])
     assert d["fp8"] is True and d["tp"] == 2 and d["ep"] == 2 and d["timing"] == "interleaved"
+    assert d["prefill_logits"] == "last"  # the default: logits_to_keep=1, as a serving engine samples
     assert any(k.endswith("/minimax") for k in d["compiles"])

@@ -27,3 +27,11 @@ def test_measured_expert_counts_replace_the_uniform_average(config):
 def test_expert_counts_must_cover_every_moe_layer(config):
     with pytest.raises(ValueError, match="2 MoE layers"):
         decode_bytes(config, 4, 64, fp8=True, touched_experts=[3])
+
+
+def test_prefill_flops_count_the_lm_head_on_the_positions_kept(config):
+    from minimax_backend.tools.roofline import prefill_flops
+
+    every = prefill_flops(config, 100)
+    last = prefill_flops(config, 100, logits_positions=1)
+    assert every - last == pytest.approx(2.0 * 99 * config.hidden_size * config.vocab_size)

@@ -7,7 +7,8 @@ off in turn, and the hardware floor.
 The model is the `m3-slice` preset at real width (hidden 6144, 64 query / 4
 KV heads, 128 experts top-4, the 3 dense layers and `--moe-layers` MoE
 layers), FP8 block-scaled weights, random. Workloads: prefill of
-`--prefill` tokens (one sequence, no KV cache) and one decode step for each
+`--prefill` tokens (one sequence, no KV cache; the last position's logits, as a
+serving engine samples, or `--prefill-logits all`) and one decode step for each
 `--decode-batch` size with a `--context`-token KV cache (filled with random
 values: the attention cost does not depend on them). Variants:
 
@@ -206,6 +207,7 @@ def job(rank: int, world: int, args) -> None:
                 else:
                     m.free_kv_cache()
             ids, pos = _inputs(work, config, device, args.context)
+            kw = {"logits_to_keep": 1} if work["kind"] == "prefill" and args.prefill_logits == "last" else {}
             row = {"workload": work["kind"], "tokens": work["tokens"], "batch": work["batch"]}
             reference = None
             for name, fn in variants.items():  # compile (the first call) and compare with eager
@@ -213,10 +215,10 @@ def job(rank: int, world: int, args) -> None:
                 sync_device(device)
                 t0 = time.perf_counter()
                 if name == "eager" and work["kind"] == "decode":  # the experts this step reads: the floor's
-                    out, row["experts_touched"] = _experts_touched(model, lambda: fn(ids, pos))
+                    out, row["experts_touched"] = _experts_touched(model, lambda: fn(ids, pos, **kw))
                     out = _logits(out)
                 else:
-                    out = _logits(fn(ids, pos))
+                    out = _logits(fn(ids, pos, **kw))
                 sync_device(device)
                 first = time.perf_counter() - t0
                 row[f"{name}_first_call_s"] = first
@@ -236,7 +238,7 @@ def job(rank: int, world: int, args) -> None:
                         "passes": [{k: p.get(k) for k in ("name", "enabled", "matches", "skipped")} for p in new[-1]["passes"]],
                         "cudagraphs": new[-1].get("cudagraphs"), "timings_s": new[-1].get("timings_s")}
                 progress(f"{label}: {name:<22} compiled, first call {first:5.1f}s{extra}")
-            calls = {name: (lambda fn=fn: fn(ids, pos)) for name, fn in variants.items()}
+            calls = {name: (lambda fn=fn: fn(ids, pos, **kw)) for name, fn in variants.items()}
             for name, ms in interleaved_median_ms(calls, args.warmup, args.repeats, barrier).items():
                 row[f"{name}_ms"] = ms
                 progress(f"{label}: {name:<22} {ms:8.3f} ms (median of {args.repeats}, interleaved)")
@@ -261,7 +263,7 @@ def job(rank: int, world: int, args) -> None:
             del reference
             if rank == 0 and args.json:
                 write_json(args.json, {"benchmark": "e2e", "tp": world, "ep": args.ep, "preset": args.preset,
-                                       "attention": args.attention,
+                                       "attention": args.attention, "prefill_logits": args.prefill_logits,
                                        "sparse_layers": list(config.sparse_attention_layers),
                                        "moe_layers": args.moe_layers, "fp8": not args.bf16, "context": args.context,
                                        "dynamo_module_dict_guards": getattr(
@@ -295,7 +297,8 @@ def _floor_columns(row, work, config, world, args, floors) -> None:
         row["floor_ms"] = floor_ms
         row["minimax_over_floor"] = row["minimax_ms"] / floor_ms
     else:
-        tflops = prefill_flops(config, work["tokens"], world) / row["minimax_ms"] / 1e9
+        kept = 1 if args.prefill_logits == "last" else None
+        tflops = prefill_flops(config, work["tokens"], world, logits_positions=kept) / row["minimax_ms"] / 1e9
         row["minimax_tflops"] = tflops
         row["minimax_frac_of_gemm"] = tflops / floors["bf16_tflops" if args.bf16 else "fp8_tflops"]
 
@@ -336,6 +339,9 @@ def main(argv=None) -> None:
     p.add_argument("--prefill", type=int, nargs="*", default=[1024, 4096, 8192])
     p.add_argument("--decode-batch", type=int, nargs="*", default=[1, 4, 16, 64])
     p.add_argument("--context", type=int, default=8192, help="KV-cache length before the decode step")
+    p.add_argument("--prefill-logits", choices=["last", "all"], default="last",
+                   help="prefill computes the last position's logits (what a serving engine samples from; "
+                        "logits_to_keep=1) or every position's")
     p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
     p.add_argument("--bf16", action="store_true", help="BF16 weights instead of FP8")
     p.add_argument("--attention", choices=["msa", "dense"], default="msa",

@@ -82,7 +82,9 @@ def decode_bytes(c, batch: int, context: int, tp: int = 1, ep: int = 1, fp8: boo
     return total
 
 
-def prefill_flops(c, tokens: int, tp: int = 1) -> float:
+def prefill_flops(c, tokens: int, tp: int = 1, logits_positions: int | None = None) -> float:
+    """logits_positions: the positions the lm_head runs on (a prefill that samples keeps the
+    last one); None: every token."""
     h = c.hidden_size
     per_token = 0.0
     attn = 0.0
@@ -103,5 +105,5 @@ def prefill_flops(c, tokens: int, tp: int = 1) -> float:
             per_token += 3 * h * c.dense_intermediate_size / tp
         else:
             per_token += 3 * h * (c.shared_intermediate_size / tp + c.num_experts_per_tok * c.intermediate_size / tp)
-    per_token += h * c.vocab_size / tp
-    return 2.0 * tokens * per_token + attn
+    lm_head = 2.0 * (tokens if logits_positions is None else logits_positions) * h * c.vocab_size / tp
+    return 2.0 * tokens * per_token + lm_head + attn
