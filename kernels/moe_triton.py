@@ -261,6 +261,15 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
+    def _gate_up_scales(xs_ptr, ws, token, valid, stride_xs, pid_n, N_HALF, kb, kb_total, BN: tl.constexpr):
+        """FP8 scales of K block kb: the activation rows' (1 x 128), the gate and up weight
+        tiles' (128 x 128 blocks)."""
+        a_s = tl.load(xs_ptr + token * stride_xs + kb, mask=valid, other=0.0)
+        g_s = tl.load(ws + ((pid_n * BN) // 128) * kb_total + kb)
+        u_s = tl.load(ws + ((N_HALF + pid_n * BN) // 128) * kb_total + kb)
+        return a_s, g_s, u_s
+
+    @triton.jit
     def _gate_up_two_dots(x_ptr, xs_ptr, w, ws, token, valid, pid_n, N_HALF, stride_x, stride_xs,
                           K: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -284,10 +293,8 @@ if HAVE_TRITON:
                 bg = bg.to(tl.float32)
                 bu = bu.to(tl.float32)
             if FP8:
-                kb = k0 // 128
-                a_s = tl.load(xs_ptr + token * stride_xs + kb, mask=valid, other=0.0)
-                g_s = tl.load(ws + ((pid_n * BN) // 128) * kb_total + kb)
-                u_s = tl.load(ws + ((N_HALF + pid_n * BN) // 128) * kb_total + kb)
+                a_s, g_s, u_s = _gate_up_scales(xs_ptr, ws, token, valid, stride_xs, pid_n, N_HALF, k0 // 128,
+                                                kb_total, BN)
                 acc_g += tl.dot(a, tl.trans(bg), out_dtype=tl.float32) * (a_s[:, None] * g_s)
                 acc_u += tl.dot(a, tl.trans(bu), out_dtype=tl.float32) * (a_s[:, None] * u_s)
             elif IEEE:  # float32 models: no silent TF32
@@ -324,10 +331,8 @@ if HAVE_TRITON:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             if FP8:
-                kb = k0 // 128
-                a_s = tl.load(xs_ptr + token * stride_xs + kb, mask=valid, other=0.0)
-                g_s = tl.load(ws + ((pid_n * BN) // 128) * kb_total + kb)
-                u_s = tl.load(ws + ((N_HALF + pid_n * BN) // 128) * kb_total + kb)
+                a_s, g_s, u_s = _gate_up_scales(xs_ptr, ws, token, valid, stride_xs, pid_n, N_HALF, k0 // 128,
+                                                kb_total, BN)
                 col_s = tl.where(is_up == 1, u_s, g_s)
                 acc += tl.dot(a, tl.trans(b), out_dtype=tl.float32) * (a_s[:, None] * col_s[None, :])
             elif IEEE:
