@@ -261,6 +261,20 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
+    def _tile_of(pid, num_m_blocks, num_n_tiles, GROUP_M: tl.constexpr):
+        """(row block, column tile) of program pid. GROUP_M 0: row blocks fastest over all of
+        them, so the blocks of one expert run together and share its weight tile in L2, but a
+        block's activation rows are read again for each column tile, a whole sweep later.
+        GROUP_M g: g row blocks at a time, each group's column tiles before the next group's,
+        so the activations of g blocks stay in L2 across the column tiles."""
+        if GROUP_M == 0:
+            return pid % num_m_blocks, pid // num_m_blocks
+        in_group = GROUP_M * num_n_tiles
+        first_m = (pid // in_group) * GROUP_M
+        size_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
+        return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+    @triton.jit
     def _gate_up_scales(xs_ptr, ws, token, valid, stride_xs, pid_n, N_HALF, kb, kb_total, BN: tl.constexpr):
         """FP8 scales of K block kb: the activation rows' (1 x 128), the gate and up weight
         tiles' (128 x 128 blocks)."""
@@ -348,15 +362,14 @@ if HAVE_TRITON:
     @triton.jit
     def _gate_up_act_kernel(
         x_ptr, xs_ptr, w_table, ws_table, sorted_pair, block_expert, h_ptr, hs_ptr,
-        K: tl.constexpr, N, N_SHARED, top_k, n_local, num_m_blocks, stride_x, stride_xs, stride_h, stride_hs,
+        K: tl.constexpr, N, N_SHARED, top_k, n_local, num_m_blocks, num_n_tiles, stride_x, stride_xs, stride_h,
+        stride_hs,
         alpha, limit, beta, SHARED: tl.constexpr,
         ACT: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        ONE_DOT: tl.constexpr = False,
+        ONE_DOT: tl.constexpr = False, GROUP_M: tl.constexpr = 0,
     ):
-        pid = tl.program_id(0)
-        pid_m = pid % num_m_blocks  # m fastest: the blocks of one expert share its weight tile in L2
-        pid_n = pid // num_m_blocks
+        pid_m, pid_n = _tile_of(tl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M)
         e = tl.load(block_expert + pid_m)
         # N_HALF: this expert's intermediate width, N, or N_SHARED for the shared expert (SHARED:
         # the last one; its slice can be narrower); tiles past it have nothing to do
@@ -447,18 +460,16 @@ if HAVE_TRITON:
     @triton.jit
     def _down_kernel(
         h_ptr, hs_ptr, w_table, ws_table, sorted_pair, block_expert, topk_w, y_ptr,
-        N, n_local, num_m_blocks, stride_h, stride_hs, stride_y,
+        N, n_local, num_m_blocks, num_n_tiles, stride_h, stride_hs, stride_y,
         K: tl.constexpr, K_SHARED: tl.constexpr, SHARED: tl.constexpr,
         FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr, UPCAST: tl.constexpr,
-        IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr = 0,
     ):
         # K: a routed expert's intermediate width; SHARED: the last expert is the shared one,
         # K_SHARED wide (a TP slice can be narrower). The widths are compile-time constants:
         # they are the weights' row strides, and a runtime stride made the weight loads
         # scalar (measured: docs/kernel-notes.md#moe-weight-strides)
-        pid = tl.program_id(0)
-        pid_m = pid % num_m_blocks
-        pid_n = pid // num_m_blocks
+        pid_m, pid_n = _tile_of(tl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M)
         e = tl.load(block_expert + pid_m)
         if e < n_local:
             rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -625,8 +636,10 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     launch = {kk: cfg[kk] for kk in ("num_warps", "num_stages") if kk in cfg}
     down_launch = {"num_warps": cfg.get("down_warps", cfg.get("num_warps", 4)),
                    "num_stages": cfg.get("down_stages", cfg.get("num_stages", 3))}
-    # a config may pin the gate/up product's shape (tools/tune_moe.py), else the kernel option
+    # a config may pin the gate/up product's shape and the tile order (tools/tune_moe.py), else
+    # the kernel options say
     one_dot = cfg.get("ONE_DOT", kernel_options().moe_gate_up == "one_dot")
+    group_m = cfg.get("GROUP_M", kernel_options().moe_group_m or 0)
     if fp8 and (bn != 128 or bk != 128):
         raise ValueError("FP8 grouped GEMMs need BN = BK = 128 (the quantization group)")
     if fp8 and 128 % bn_down:
@@ -660,23 +673,25 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         hs = h.new_empty(1, 1, dtype=torch.float32)
         w13_t = ws13_t = _table(w13)
         w2_t = ws2_t = _table(w2)
-    _gate_up_act_kernel[(num_m * triton.cdiv(n_max, bn),)](
+    n_tiles = triton.cdiv(n_max, bn)
+    _gate_up_act_kernel[(num_m * n_tiles,)](
         xq, xs, w13_t, ws13_t, al.sorted_pair, al.block_expert, h, hs,
-        hidden, n, n_shared, k, n_experts, num_m, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
+        hidden, n, n_shared, k, n_experts, num_m, n_tiles, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
         float(alpha), float(limit), float(beta), shared is not None,
         ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn, BK=bk,
-        ONE_DOT=one_dot, **launch,
+        ONE_DOT=one_dot, GROUP_M=group_m, **launch,
     )
     y = torch.empty(rows, hidden, dtype=out_dt, device=dev)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
     down_launch["num_stages"] = down_stages(down_launch["num_stages"], n_shared != n,
                                             bm, bn_down, bk, 1 if fp8 else x.element_size())
-    _down_kernel[(num_m * triton.cdiv(hidden, bn_down),)](
+    n_tiles = triton.cdiv(hidden, bn_down)
+    _down_kernel[(num_m * n_tiles,)](
         h, hs, w2_t, ws2_t, al.sorted_pair, al.block_expert, tw, y,
-        hidden, n_experts, num_m, h.stride(0), hs.stride(0), y.stride(0),
+        hidden, n_experts, num_m, n_tiles, h.stride(0), hs.stride(0), y.stride(0),
         K=n, K_SHARED=n_shared, SHARED=shared is not None,
         FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn_down, BK=bk,
-        **down_launch,
+        GROUP_M=group_m, **down_launch,
     )
     out = torch.empty(t, hidden, dtype=out_dt if shared is not None else torch.float32, device=dev)
     cb = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)

@@ -31,7 +31,8 @@ from minimax_backend.kernels.options import override_kernel_options
 triton = pytest.importorskip("triton", reason="the Triton MoE path needs triton (pip install triton)")
 
 # The non-default MoE kernel switches (kernels/options.py), as option=value.
-OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch", "moe_gate_up=one_dot"]
+OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch", "moe_gate_up=one_dot",
+                  "moe_group_m=4"]
 
 
 def _switched(switch: str):
@@ -321,6 +322,26 @@ def test_gate_up_as_one_product_equals_two(interp, case, bm, shared_width):
     alone = R.gated_mlp(x, *sh, "swigluoai", w.alpha, w.limit, w.beta, w.group)
     ref = R.local_experts_reference(x, ids, tw, w).to(dtype) + alone
     assert _err(out[True], ref, fp8) <= (2 * TOL[tol] if not fp8 else TOL[tol])
+
+
+@pytest.mark.parametrize("case", ["m3_bf16", "m3_fp8"])
+def test_tile_orders_compute_the_same_tiles(interp, case):
+    """moe_group_m only reorders the programs: every (row block, column tile) is still computed
+    once, bit for bit as in the default order, with group sizes that do and do not divide the
+    row blocks (37 tokens x top-2 + the shared expert at BLOCK_M 16: 11 blocks at most)."""
+    make, dtype, fp8, tol = CASES[case]
+    w = R.MoEWeights(*K.block_op_args(_block(make, dtype, fp8)))
+    sh = _shared_args(w, w.shared_w2.shape[1])
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(11)).to(dtype)
+    ids, tw = w.route(x)
+    sc = (w.w13_scale, w.w2_scale) if fp8 else (None, None)
+    cfg = {"BM": 16, "BN": 128, "BK": 128 if fp8 else 64, "BN_DOWN": 64, "num_warps": 4, "num_stages": 2}
+    out = {}
+    for group_m in (0, 1, 3, 4, 64):
+        common = ("swigluoai", w.alpha, w.limit, w.beta, w.num_experts, dict(cfg, GROUP_M=group_m))
+        out[group_m] = interp.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, *sc, 0, *common, shared=sh)
+    for group_m in (1, 3, 4, 64):
+        assert torch.equal(out[group_m], out[0]), group_m
 
 
 def test_gate_up_switch_reaches_the_kernel(interp, monkeypatch):

@@ -91,12 +91,13 @@ def byte_loads(ptx: str) -> int:
 # ------------------------------------------------------------------ MoE
 DOWN_SIG = {"h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w_table": "*i64", "ws_table": "*i64", "sorted_pair": "*i32",
             "block_expert": "*i32", "topk_w": "*fp32", "y_ptr": "*bf16", "N": "i32", "n_local": "i32",
-            "num_m_blocks": "i32", "stride_h": "i32", "stride_hs": "i32", "stride_y": "i32"}
+            "num_m_blocks": "i32", "num_n_tiles": "i32", "stride_h": "i32", "stride_hs": "i32", "stride_y": "i32"}
 DOWN_ALIGNED = ["h_ptr", "hs_ptr", "w_table", "ws_table", "sorted_pair", "block_expert", "topk_w", "y_ptr", "N",
                 "stride_h", "stride_y"]
 GATE_UP_SIG = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_table": "*i64", "ws_table": "*i64",
                "sorted_pair": "*i32", "block_expert": "*i32", "h_ptr": "*fp8e4nv", "hs_ptr": "*fp32",
-               "N": "i32", "N_SHARED": "i32", "top_k": "i32", "n_local": "i32", "num_m_blocks": "i32", "stride_x": "i32",
+               "N": "i32", "N_SHARED": "i32", "top_k": "i32", "n_local": "i32", "num_m_blocks": "i32",
+               "num_n_tiles": "i32", "stride_x": "i32",
                "stride_xs": "i32", "stride_h": "i32", "stride_hs": "i32", "alpha": "fp32", "limit": "fp32",
                "beta": "fp32"}
 GATE_UP_ALIGNED = ["x_ptr", "xs_ptr", "w_table", "ws_table", "sorted_pair", "block_expert", "h_ptr", "hs_ptr",
@@ -201,6 +202,24 @@ def test_gate_up_as_one_product_compiles_to_wider_mmas(moe, fp8, bm, tmp_path):
     assert one.metadata.shared == two.metadata.shared <= H200_SHARED_BYTES
     copies = async_copies(one.asm["ptx"])
     assert copies.get(16, 0) > 0 and set(copies) == {16}, copies
+
+
+def test_grouped_tile_order_compiles_like_the_default(moe, tmp_path):
+    """moe_group_m (the programs' order) at the FP8 prefill tiles: the same loops, so no spills,
+    16-byte weight copies and the default's shared memory."""
+    cfg = moe.tile_config(8192, 4, 128, True)
+    for kernel, sig, aligned, consts, warps, stages in (
+            (moe._gate_up_act_kernel, GATE_UP_SIG, GATE_UP_ALIGNED,
+             dict(FP8, K=6144, ACT=0, BM=cfg["BM"], BN=128, SHARED=True), cfg["num_warps"], cfg["num_stages"]),
+            (moe._down_kernel, DOWN_SIG, DOWN_ALIGNED,
+             dict(FP8, K=3072, K_SHARED=3072, SHARED=True, BM=cfg["BM"], BN=cfg["BN_DOWN"]), cfg["down_warps"],
+             cfg["down_stages"])):
+        default, grouped = (compiled_sm90(kernel, sig, dict(consts, GROUP_M=g), aligned, num_warps=warps,
+                                          num_stages=stages) for g in (0, 4))
+        assert local_memory_bytes(grouped, tmp_path) == 0
+        assert grouped.metadata.shared == default.metadata.shared
+        copies = async_copies(grouped.asm["ptx"])
+        assert copies.get(16, 0) > 0 and set(copies) == {16}, copies
 
 
 def test_spill_check_sees_a_spilling_config(moe, tmp_path):

@@ -15,13 +15,16 @@ def test_tune_moe_smoke_in_the_interpreter(tmp_path):
     out = tmp_path / "tune.json"
     cmd = [sys.executable, "-m", "minimax_backend.tools.tune_moe", "--device", "cpu", "--preset", "tiny-m3",
            "--tokens", "5", "--precisions", "bf16", "fp8", "--calls", "1",
-           "--configs", "16,128,64,4,2", "16,128,128,4,2", "--gate-up", "two_dots", "one_dot", "--json", str(out)]
+           "--configs", "16,128,64,4,2", "16,128,128,4,2", "--gate-up", "two_dots", "one_dot", "--group-m", "0", "2",
+           "--json", str(out)]
     r = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {row["gate_up"] for row in rows} == {"two_dots", "one_dot"}  # every config with each product
-    assert len(rows) == 8
-    by = {(row["precision"], row["config"]): row for row in rows if row["gate_up"] == "one_dot"}
+    # every config with each product and each tile order
+    assert ({(row["gate_up"], row["group_m"]) for row in rows}
+            == {(g, m) for g in ("two_dots", "one_dot") for m in (0, 2)})
+    assert len(rows) == 16
+    by = {(row["precision"], row["config"]): row for row in rows if row["gate_up"] == "one_dot" and row["group_m"] == 2}
     assert set(by) == {(p, c) for p in ("bf16", "fp8") for c in ("16,128,64,4,2", "16,128,128,4,2")}
     # FP8 needs BK = 128 (the quantization group): that config is reported as an error, not dropped
     assert "BN = BK = 128" in by[("fp8", "16,128,64,4,2")]["error"]
@@ -29,6 +32,13 @@ def test_tune_moe_smoke_in_the_interpreter(tmp_path):
         row = by[key]
         assert "error" not in row and row["call_us"] > 0 and row["layer_tflops"] > 0
     assert "MoE grouped GEMMs per tile config" in r.stdout
+
+
+def test_tune_moe_rejects_a_negative_group():
+    from minimax_backend.tools import tune_moe
+
+    with pytest.raises(SystemExit, match="--group-m"):
+        tune_moe.main(["--device", "cpu", "--preset", "tiny-m3", "--tokens", "3", "--group-m", "-1"])
 
 
 def test_tune_moe_rejects_a_malformed_config():

@@ -268,7 +268,8 @@ def job(rank: int, world: int, args) -> None:
                                        "moe_layers": args.moe_layers, "fp8": not args.bf16, "context": args.context,
                                        "dynamo_module_dict_guards": getattr(
                                            torch._dynamo.config, "use_recursive_dict_tags_for_guards", None),
-                                       "repeats": args.repeats, "timing": "interleaved", "variants": list(args.variants), "rows": rows,
+                                       "repeats": args.repeats, "timing": "interleaved",
+                                       "variants": list(args.variants), "rows": rows,
                                        "floors": floors,
                                        "compiles": compile_info})
             if device.type == "cuda":

@@ -49,7 +49,7 @@ def _kind(name: str) -> str:
 
 
 def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.device,
-          gate_up: tuple[str, ...] = ("two_dots",)) -> list[dict]:
+          gate_up: tuple[str, ...] = ("two_dots",), group_m: tuple[int, ...] = (0,)) -> list[dict]:
     from minimax_backend.kernels.moe import block_op_args
     from minimax_backend.kernels.moe_triton import grouped_gated_mlp
     from minimax_backend.tools.bench_common import graphed, kernel_profile, median_ms
@@ -66,8 +66,8 @@ def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.d
     flops_gate_up = 2.0 * h * 2 * (tokens * k * n + tokens * n_sh)
     flops_down = 2.0 * h * (tokens * k * n + tokens * n_sh)
     rows = []
-    for c, product in [(c, g) for c in configs for g in gate_up]:
-        tiles = dict(_tiles(c, tokens, k, len(a[2]), fp8), ONE_DOT=product == "one_dot")
+    for c, product, group in [(c, g, m) for c in configs for g in gate_up for m in group_m]:
+        tiles = dict(_tiles(c, tokens, k, len(a[2]), fp8), ONE_DOT=product == "one_dot", GROUP_M=group)
 
         def call():
             return grouped_gated_mlp(x, ids, weights, a[2], a[3], a[4] or None, a[5] or None, a[13], a[14],
@@ -79,14 +79,14 @@ def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.d
             ms = median_ms(run, 2, 10)
             kernels, _ = kernel_profile(run, calls, device)
         except Exception as e:  # a config that does not compile or fit: say so, keep sweeping
-            rows.append({"tokens": tokens, "config": c, "gate_up": product,
+            rows.append({"tokens": tokens, "config": c, "gate_up": product, "group_m": group,
                          "error": f"{type(e).__name__}: {str(e)[:120]}"})
-            print(f"[tune_moe] {tokens} tokens {c} {product}: {rows[-1]['error']}", flush=True)
+            print(f"[tune_moe] {tokens} tokens {c} {product} group_m {group}: {rows[-1]['error']}", flush=True)
             continue
         per_kind: dict = {}
         for name, (us, _) in kernels.items():
             per_kind[_kind(name)] = per_kind.get(_kind(name), 0.0) + us / calls
-        row = {"tokens": tokens, "config": c, "gate_up": product, "call_us": ms * 1e3,
+        row = {"tokens": tokens, "config": c, "gate_up": product, "group_m": group, "call_us": ms * 1e3,
                "gate_up_us": per_kind.get("gate_up", 0.0), "down_us": per_kind.get("down", 0.0),
                "rest_us": sum(v for kk, v in per_kind.items() if kk not in ("gate_up", "down"))}
         for kernel, fl in (("gate_up", flops_gate_up), ("down", flops_down)):
@@ -95,7 +95,8 @@ def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.d
         row["layer_tflops"] = (flops_gate_up + flops_down) / (ms * 1e-3) / 1e12
         row["fp8"] = fp8
         rows.append(row)
-        print(f"[tune_moe] {'fp8' if fp8 else 'bf16'} {tokens} tokens {c} {product}: call {row['call_us']:.0f} us, "
+        print(f"[tune_moe] {'fp8' if fp8 else 'bf16'} {tokens} tokens {c} {product} group_m {group}: "
+              f"call {row['call_us']:.0f} us, "
               f"gate_up {row['gate_up_us']:.0f} us ({row['gate_up_tflops'] or 0:.0f} TFLOP/s), "
               f"down {row['down_us']:.0f} us ({row['down_tflops'] or 0:.0f} TFLOP/s)", flush=True)
     return rows
@@ -110,11 +111,16 @@ def main(argv=None) -> None:
     p.add_argument("--gate-up", nargs="+", choices=["two_dots", "one_dot"], default=["two_dots"],
                    help="the gate/up kernel's product per K step (kernel option moe_gate_up): each config is "
                         "run with each")
+    p.add_argument("--group-m", type=int, nargs="+", default=[0],
+                   help="the programs' order (kernel option moe_group_m): 0 = row blocks fastest over all, "
+                        "g = groups of g row blocks, each group's column tiles first")
     p.add_argument("--preset", default="m3")
     p.add_argument("--calls", type=int, default=3, help="profiled calls per config")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if any(g < 0 for g in args.group_m):
+        raise SystemExit("--group-m: 0 (row blocks fastest) or a group size >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU (use --device cpu --preset tiny-m3 for a smoke run)")
     import minimax_backend.kernels  # noqa: F401  (registers the ops)
@@ -130,11 +136,11 @@ def main(argv=None) -> None:
         for tokens in args.tokens:
             with torch.no_grad():
                 rows += [dict(r, precision=precision) for r in sweep(blk, cfg, tokens, configs, args.calls, device,
-                                                                   tuple(args.gate_up))]
+                                                                   tuple(args.gate_up), tuple(args.group_m))]
         del blk
     ok = [r for r in rows if "error" not in r]
-    print_table(ok, ["precision", "tokens", "config", "gate_up", "call_us", "gate_up_us", "gate_up_tflops", "down_us",
-                     "down_tflops", "rest_us", "layer_tflops"], title="MoE grouped GEMMs per tile config")
+    print_table(ok, ["precision", "tokens", "config", "gate_up", "group_m", "call_us", "gate_up_us", "gate_up_tflops",
+                     "down_us", "down_tflops", "rest_us", "layer_tflops"], title="MoE grouped GEMMs per tile config")
     if args.json:
         write_json(args.json, {"benchmark": "moe_tiles", "preset": args.preset, "rows": rows})
 
