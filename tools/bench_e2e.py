@@ -214,7 +214,7 @@ def job(rank: int, world: int, args) -> None:
                 n_reports = len(compile_reports())
                 sync_device(device)
                 t0 = time.perf_counter()
-                if name == "eager" and work["kind"] == "decode":  # the experts this step reads: the floor's
+                if name == "eager" and work["kind"] == "decode":  # count the experts the step reads (floor)
                     out, row["experts_touched"] = _experts_touched(model, lambda: fn(ids, pos, **kw))
                     out = _logits(out)
                 else:
