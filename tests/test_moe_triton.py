@@ -526,7 +526,7 @@ def test_triton_alignment_on_gpu_equals_the_sort(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["m3_bf16", "m3_fp8"])
-@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("tokens", [1, 64, 1000])  # 1000: the prefill tiles (BLOCK_M 64 / 128, 8 warps)
 @pytest.mark.parametrize("switch", OTHER_SWITCHES)
 def test_gpu_kernels_with_the_other_switches(case, tokens, switch):
     with _switched(switch):
