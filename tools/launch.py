@@ -61,7 +61,8 @@ def _init_group(rank: int, world_size: int, device: str) -> None:
     )
 
 
-def _run_and_leave(job: Job, rank: int, world_size: int, device: str, args: Any) -> None:
+def _run_and_leave(job: Job, rank: int, world_size: int, device: str, args: Any,
+                   spawned_child: bool = False) -> None:
     """Run the job, then leave the group together with the other ranks.
 
     Ranks meet at a barrier first: a rank tearing the group down while another
@@ -72,8 +73,13 @@ def _run_and_leave(job: Job, rank: int, world_size: int, device: str, args: Any)
     after NCCL ran inside CUDA graphs (or symmetric memory was used) the
     teardown hung on the H200 box (2026-11-30: `run --device cuda` under
     torchrun printed its summary, then never exited). The benchmarks do the
-    same. On an error the exception propagates as usual (CPU: after the group
-    is destroyed; GPU: without destroying it, for the same reason)."""
+    same. A rank process we spawned on the CPU exits the same way: gloo's
+    teardown still aborted a finished rank now and then after the barrier (CI,
+    2026-12-02: the job done and its JSON written, then SIGABRT). A rank that
+    is the caller's own process (one rank, or torchrun) on the CPU destroys
+    the group and returns. On an error the exception propagates as usual (CPU:
+    after the group is destroyed; GPU: without destroying it, for the same
+    reason)."""
     try:
         job(rank, world_size, args)
     except BaseException:
@@ -83,18 +89,21 @@ def _run_and_leave(job: Job, rank: int, world_size: int, device: str, args: Any)
     if device == "cuda":
         dist.barrier(device_ids=[torch.cuda.current_device()])
         torch.cuda.synchronize()
+    else:
+        dist.barrier()
+    if device == "cuda" or spawned_child:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    dist.barrier()
     dist.destroy_process_group()
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, device: str, job: Job, args: Any):
+def _spawned_rank(rank: int, world_size: int, port: int, device: str, job: Job, args: Any,
+                  spawned_child: bool = True):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     _init_group(rank, world_size, device)
-    _run_and_leave(job, rank, world_size, device, args)
+    _run_and_leave(job, rank, world_size, device, args, spawned_child)
 
 
 def run_on_ranks(job: Job, world_size: int, device: str, args: Any) -> None:
@@ -117,7 +126,7 @@ def run_on_ranks(job: Job, world_size: int, device: str, args: Any) -> None:
     port = free_port()
     if world_size == 1:
         # One rank needs no child process; a group of one keeps the code path the same.
-        _spawned_rank(0, 1, port, device, job, args)
+        _spawned_rank(0, 1, port, device, job, args, spawned_child=False)
         return
     mp.start_processes(
         _spawned_rank,
