@@ -51,7 +51,10 @@ when interpreting, as the GPU's cvt.rn does.
 Not done here: the combine writes k rows per token (bf16) and sums them,
 where an atomic-add epilogue would skip that; the grouped GEMMs load through
 cp.async, not TMA, and reach about half of a plain GEMM's rate at prefill
-sizes (docs/kernel-notes.md#moe-tiles).
+sizes (docs/kernel-notes.md#moe-tiles). Two variants wait there to be timed
+(kernel options, not the defaults): moe_gate_up=one_dot (gate and up from one
+product per K step) and moe_group_m (the programs in groups of row blocks, so
+activation rows stay in L2 across column tiles).
 """
 
 from __future__ import annotations
