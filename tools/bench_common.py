@@ -18,6 +18,24 @@ from typing import Any, Callable, Sequence
 import torch
 
 
+def _timed_call_ms(fn: Callable[[], Any], barrier: Callable[[], None] | None) -> float:
+    """One call of fn in ms: the barrier first, then CUDA events around the call after a
+    synchronize (the host clock without CUDA)."""
+    if barrier is not None:
+        barrier()
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, barrier: Callable[[], None] | None = None) -> float:
     """Median wall time of fn() in milliseconds, timed with CUDA events.
 
@@ -25,28 +43,9 @@ def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, barrier
     ranks start together and a collective's wait is not counted as compute.
     Without CUDA (smoke runs on CPU) the host clock is used.
     """
-    cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        if barrier is not None:
-            barrier()
-        if not cuda:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            continue
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(_timed_call_ms(fn, barrier) for _ in range(repeats))
 
 
 def interleaved_median_ms(fns: dict[str, Callable[[], Any]], warmup: int = 3, repeats: int = 10,
@@ -57,9 +56,7 @@ def interleaved_median_ms(fns: dict[str, Callable[[], Any]], warmup: int = 3, re
     Timed one after the other, a drift of the GPU's clocks or temperature over the
     run (prefill keeps the card near its power limit) falls on whichever variant runs
     later; interleaved, it reaches every variant alike (docs/measurements/2026-12-02.md).
-    Each call is timed as in median_ms (a synchronize and the barrier before it, CUDA
-    events around it; the host clock without CUDA)."""
-    cuda = torch.cuda.is_available()
+    Each call is timed as in median_ms."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):
@@ -67,21 +64,7 @@ def interleaved_median_ms(fns: dict[str, Callable[[], Any]], warmup: int = 3, re
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            if cuda:
-                torch.cuda.synchronize()
-            if barrier is not None:
-                barrier()
-            if not cuda:
-                t0 = time.perf_counter()
-                fns[name]()
-                times[name].append((time.perf_counter() - t0) * 1e3)
-                continue
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fns[name]()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
+            times[name].append(_timed_call_ms(fns[name], barrier))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
