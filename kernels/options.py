@@ -17,8 +17,8 @@ environment, so a launcher sets the variables before it starts them.
 |------------------|--------------------------|---------|----------------------------------|--------------|
 | moe_kernel       | MINIMAX_MOE_KERNEL       | triton  | triton, reference                | reference: the plain-torch experts on CUDA instead of the Triton grouped GEMMs |
 | moe_tiles        | MINIMAX_MOE_TILES        | (unset) | BM,BN,BK,warps,stages[,BN_DOWN]  | the grouped GEMMs' tiles instead of tile_config's choice by token count |
-| moe_gate_up      | MINIMAX_MOE_GATE_UP      | two_dots | two_dots, one_dot               | one_dot: the gate/up kernel's gate and up tiles from one product twice as wide per K step (wider MMAs, one wait; not yet measured on a GPU) |
-| moe_group_m      | MINIMAX_MOE_GROUP_M      | (unset) | a whole number >= 1              | the grouped GEMMs' programs in groups of this many row blocks, each group's column tiles first (unset: row blocks fastest over all; not yet measured on a GPU) |
+| moe_gate_up      | MINIMAX_MOE_GATE_UP      | auto    | auto, two_dots, one_dot          | the gate/up kernel's product per K step instead of tile_config's choice (auto: one product twice as wide at prefill sizes, two products at decode sizes) |
+| moe_group_m      | MINIMAX_MOE_GROUP_M      | (unset) | a whole number >= 0              | the grouped GEMMs' program order instead of tile_config's choice: 0 = row blocks fastest over all, g = groups of g row blocks, each group's column tiles first |
 | moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~40 torch kernels instead of one Triton program (the default up to 1024 token-expert pairs) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
 | moe_shared       | MINIMAX_MOE_SHARED       | merged  | merged, separate                 | separate: the shared expert in its own launches instead of inside the routed ones |
@@ -45,12 +45,11 @@ docs/kernel-notes.md). Who runs them:
   re-measure on other NVLink generations;
 * fp8_gemm: the GPU tests run both backends; moe_tiles: to try tiles by hand
   (set it for a run of tools/profile_moe.py or tools/bench_moe.py);
-* moe_gate_up=one_dot and moe_group_m: the interpreter and GPU tests of
-  tests/test_moe_triton.py run them; tools/tune_moe.py --gate-up / --group-m
-  sweep them. one_dot's sm_90 code has half the MMA waits per K step
-  (tests/test_triton_sm90_codegen.py); moe_group_m keeps activation rows in L2
-  across column tiles (the reasoning: docs/kernel-notes.md#moe-tiles). Neither
-  is measured yet, so neither is the default;
+* moe_gate_up and moe_group_m pin what tile_config's table picks by token
+  count (one product and grouped program order at prefill sizes, measured
+  8-16% faster on the H200: docs/kernel-notes.md#moe-tiles); the interpreter
+  and GPU tests of tests/test_moe_triton.py run the values the table does not
+  pick, tools/tune_moe.py --gate-up / --group-m sweep them;
 * allreduce_norm=symm_mem: the fused kernel's math runs in the CPU interpreter
   tests (tests/test_allreduce_norm_kernel.py); the symmetric-memory part needs
   several GPUs and has not run yet, so it is not the default.
@@ -94,12 +93,13 @@ class KernelOptions:
         "MINIMAX_MOE_TILES", None, "the grouped GEMMs' tiles instead of tile_config's choice by token count",
         kind="tiles", allowed="BM,BN,BK,warps,stages[,BN_DOWN]")
     moe_gate_up: str = _switch(
-        "MINIMAX_MOE_GATE_UP", "two_dots", "one_dot: the gate/up kernel's gate and up tiles from one product twice "
-        "as wide per K step (wider MMAs, one wait; not yet measured on a GPU)", choices=("two_dots", "one_dot"))
+        "MINIMAX_MOE_GATE_UP", "auto", "the gate/up kernel's product per K step instead of tile_config's choice "
+        "(auto: one product twice as wide at prefill sizes, two products at decode sizes)",
+        choices=("auto", "two_dots", "one_dot"))
     moe_group_m: Optional[int] = _switch(
-        "MINIMAX_MOE_GROUP_M", None, "the grouped GEMMs' programs in groups of this many row blocks, each group's "
-        "column tiles first (unset: row blocks fastest over all; not yet measured on a GPU)", kind="count",
-        allowed="a whole number >= 1")
+        "MINIMAX_MOE_GROUP_M", None, "the grouped GEMMs' program order instead of tile_config's choice: 0 = row "
+        "blocks fastest over all, g = groups of g row blocks, each group's column tiles first", kind="order",
+        allowed="a whole number >= 0")
     moe_align: str = _switch(
         "MINIMAX_MOE_ALIGN", "triton", "torch: the experts' sorted layout from ~40 torch kernels instead of one "
         "Triton program", choices=("triton", "torch"))
@@ -204,6 +204,13 @@ def _check(f: dataclasses.Field, value):
         number = int(value) if isinstance(value, str) and value.isdigit() else value
         if isinstance(number, bool) or not isinstance(number, int) or number < 1:
             raise ValueError(f"{env}={value!r}: use a whole number >= 1")
+        return number
+    if kind == "order":
+        if value is None:
+            return None
+        number = int(value) if isinstance(value, str) and value.isdigit() else value
+        if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+            raise ValueError(f"{env}={value!r}: use a whole number >= 0")
         return number
     raise AssertionError(kind)  # pragma: no cover
 

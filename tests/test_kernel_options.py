@@ -14,7 +14,7 @@ from minimax_backend.kernels import options as O
 from minimax_backend.kernels.options import KernelOptions, kernel_options, override_kernel_options
 
 DEFAULTS = {
-    "moe_kernel": "triton", "moe_tiles": None, "moe_gate_up": "two_dots", "moe_group_m": None,
+    "moe_kernel": "triton", "moe_tiles": None, "moe_gate_up": "auto", "moe_group_m": None,
     "moe_align": "triton", "moe_route": "triton", "moe_shared": "merged",
     "gemm_rs_fused": True, "gemm_rs_schedule": "auto", "gemm_rs_push": "copy", "gemm_rs_pieces": None,
     "fp8_gemm": "auto", "allreduce_norm": "unfused",
@@ -49,8 +49,9 @@ def test_every_variable_is_read():
 
 @pytest.mark.parametrize("variable, value, valid", [
     ("MINIMAX_MOE_KERNEL", "cutlass", "use one of triton, reference (default triton)"),
-    ("MINIMAX_MOE_GATE_UP", "fused", "use one of two_dots, one_dot (default two_dots)"),
-    ("MINIMAX_MOE_GROUP_M", "0", "use a whole number >= 1"),
+    ("MINIMAX_MOE_GATE_UP", "fused", "use one of auto, two_dots, one_dot (default auto)"),
+    ("MINIMAX_MOE_GROUP_M", "-1", "use a whole number >= 0"),
+    ("MINIMAX_MOE_GROUP_M", "four", "use a whole number >= 0"),
     ("MINIMAX_MOE_ALIGN", "cub", "use one of triton, torch (default triton)"),
     ("MINIMAX_MOE_ROUTE", "cub", "use one of triton, torch (default triton)"),
     ("MINIMAX_MOE_SHARED", "fused", "use one of merged, separate (default merged)"),

@@ -32,7 +32,7 @@ triton = pytest.importorskip("triton", reason="the Triton MoE path needs triton 
 
 # The non-default MoE kernel switches (kernels/options.py), as option=value.
 OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch", "moe_gate_up=one_dot",
-                  "moe_group_m=4"]
+                  "moe_gate_up=two_dots", "moe_group_m=4", "moe_group_m=0"]
 
 
 def _switched(switch: str):
@@ -96,10 +96,12 @@ def test_kernel_switches_reach_the_moe_kernels():
     assert tile_config(8, 2, 8, True)["BM"] == 16  # the heuristic by default
     with override_kernel_options(moe_tiles="16,128,128,4,3,64"):  # the optional down BLOCK_N
         assert tile_config(8, 2, 8, True) == {"BM": 16, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 3,
-                                              "BN_DOWN": 64, "down_warps": 4, "down_stages": 3}
+                                              "BN_DOWN": 64, "down_warps": 4, "down_stages": 3, "ONE_DOT": False,
+                                              "GROUP_M": 0}
     with override_kernel_options(moe_tiles=(64, 128, 64, 4, 3)):
         assert tile_config(8, 2, 8, False) == {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3,
-                                               "BN_DOWN": 128, "down_warps": 4, "down_stages": 3}
+                                               "BN_DOWN": 128, "down_warps": 4, "down_stages": 3, "ONE_DOT": False,
+                                               "GROUP_M": 0}
     assert route_mode() == "triton"
     with override_kernel_options(moe_route="torch"):
         assert route_mode() == "torch"
@@ -344,28 +346,37 @@ def test_tile_orders_compute_the_same_tiles(interp, case):
         assert torch.equal(out[group_m], out[0]), group_m
 
 
-def test_gate_up_switch_reaches_the_kernel(interp, monkeypatch):
-    """The kernel option picks the product's shape where the tile config does not pin it."""
+def test_gate_up_and_order_switches_reach_the_kernel(interp, monkeypatch):
+    """tile_config's table picks the product's shape and the program order by size (one
+    product, grouped order at prefill sizes); the kernel options pin either way."""
     kt = interp
     seen = []
 
     class Launch:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                seen.append(kwargs["ONE_DOT"])
+                seen.append((kwargs["ONE_DOT"], kwargs["GROUP_M"]))
                 raise RuntimeError("stop after the gate/up launch")
             return launch
 
     monkeypatch.setattr(kt, "_gate_up_act_kernel", Launch())
     w = R.MoEWeights(*K.block_op_args(_block(tiny_m3_clamping, torch.bfloat16, False)))
-    x = torch.randn(5, 256).to(torch.bfloat16)
-    ids, tw = w.route(x)
-    args = (x, ids, tw, w.w13, w.w2, None, None, 0, "swigluoai", w.alpha, w.limit, w.beta, w.num_experts)
-    for option, pinned, want in (("two_dots", None, False), ("one_dot", None, True), ("one_dot", False, False)):
-        cfg = dict(kt.tile_config(5, 2, 8, False), **({} if pinned is None else {"ONE_DOT": pinned}))
-        with override_kernel_options(moe_gate_up=option), pytest.raises(RuntimeError, match="stop after"):
-            kt.grouped_gated_mlp(*args, config=cfg)
-        assert seen[-1] is want
+
+    def launched(tokens: int, **options):
+        x = torch.randn(tokens, 256).to(torch.bfloat16)
+        ids, tw = w.route(x)
+        with override_kernel_options(**options), pytest.raises(RuntimeError, match="stop after"):
+            kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, None, None, 0, "swigluoai", w.alpha, w.limit, w.beta,
+                                 w.num_experts)
+        return seen[-1]
+
+    # 8 experts, top-2: 5 tokens are a decode size, 301 a prefill size (> 48 rows per expert)
+    assert launched(5) == (False, 0)
+    assert launched(301) == (True, 8)
+    assert launched(301, moe_gate_up="two_dots", moe_group_m=0) == (False, 0)
+    assert launched(5, moe_gate_up="one_dot", moe_group_m=3) == (True, 3)
+    assert launched(301, moe_tiles="64,128,64,8,4") == (False, 0)  # hand-picked tiles: the plain kernel
+    assert launched(301, moe_tiles="64,128,64,8,4", moe_gate_up="one_dot") == (True, 0)
 
 
 @pytest.mark.parametrize("case", ALIGN_CASES)

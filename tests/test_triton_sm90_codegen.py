@@ -162,9 +162,12 @@ def test_moe_tile_table_compiles_without_register_spills(moe, fp8, tokens, tmp_p
     base = dict(FP8 if fp8 else BF16, BK=cfg["BK"], BM=cfg["BM"])
     sig_gate_up = GATE_UP_SIG if fp8 else {**GATE_UP_SIG, "x_ptr": "*bf16", "h_ptr": "*bf16"}
     sig_down = DOWN_SIG if fp8 else {**DOWN_SIG, "h_ptr": "*bf16"}
-    gate_up = compiled_sm90(moe._gate_up_act_kernel, sig_gate_up, dict(base, K=6144, ACT=0, BN=cfg["BN"], SHARED=False),
+    gate_up = compiled_sm90(moe._gate_up_act_kernel, sig_gate_up,
+                            dict(base, K=6144, ACT=0, BN=cfg["BN"], SHARED=False, ONE_DOT=cfg["ONE_DOT"],
+                                 GROUP_M=cfg["GROUP_M"]),
                             GATE_UP_ALIGNED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    down = compiled_sm90(moe._down_kernel, sig_down, dict(base, K=3072, K_SHARED=0, SHARED=False, BN=cfg["BN_DOWN"]),
+    down = compiled_sm90(moe._down_kernel, sig_down, dict(base, K=3072, K_SHARED=0, SHARED=False, BN=cfg["BN_DOWN"],
+                                                          GROUP_M=cfg["GROUP_M"]),
                          DOWN_ALIGNED, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
     assert local_memory_bytes(gate_up, tmp_path) == 0, cfg
     assert local_memory_bytes(down, tmp_path) == 0, cfg
