@@ -198,19 +198,13 @@ def _check(f: dataclasses.Field, value):
         if len(vals) not in (5, 6) or any(v <= 0 for v in vals):
             raise ValueError(f"{env}={value!r}: {_TILES_HELP}")
         return vals
-    if kind == "count":
+    if kind in ("count", "order"):  # a count starts at 1; an order (moe_group_m) at 0
         if value is None:
             return None
+        least = 1 if kind == "count" else 0
         number = int(value) if isinstance(value, str) and value.isdigit() else value
-        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
-            raise ValueError(f"{env}={value!r}: use a whole number >= 1")
-        return number
-    if kind == "order":
-        if value is None:
-            return None
-        number = int(value) if isinstance(value, str) and value.isdigit() else value
-        if isinstance(number, bool) or not isinstance(number, int) or number < 0:
-            raise ValueError(f"{env}={value!r}: use a whole number >= 0")
+        if isinstance(number, bool) or not isinstance(number, int) or number < least:
+            raise ValueError(f"{env}={value!r}: use a whole number >= {least}")
         return number
     raise AssertionError(kind)  # pragma: no cover
 
