@@ -48,8 +48,20 @@ def _kind(name: str) -> str:
     return "other"
 
 
+def variants(tokens: int, top_k: int, num_experts: int, fp8: bool, gate_up: tuple[str, ...],
+             group_m: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The products and tile orders to run: those asked for, else tile_config's pick at this size."""
+    from minimax_backend.kernels.moe_triton import tile_config
+
+    table = tile_config(tokens, top_k, num_experts, fp8)
+    return (tuple(gate_up) or ("one_dot" if table["ONE_DOT"] else "two_dots",),
+            tuple(group_m) or (table["GROUP_M"],))
+
+
 def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.device,
-          gate_up: tuple[str, ...] = ("two_dots",), group_m: tuple[int, ...] = (0,)) -> list[dict]:
+          gate_up: tuple[str, ...] = (), group_m: tuple[int, ...] = ()) -> list[dict]:
+    """Rows of timings, one per config x gate_up x group_m; an empty gate_up / group_m:
+    what tile_config's table picks at this size."""
     from minimax_backend.kernels.moe import block_op_args
     from minimax_backend.kernels.moe_triton import grouped_gated_mlp
     from minimax_backend.tools.bench_common import graphed, kernel_profile, median_ms
@@ -65,6 +77,7 @@ def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.d
     n_sh = cfg.shared_intermediate_size if shared is not None else 0
     flops_gate_up = 2.0 * h * 2 * (tokens * k * n + tokens * n_sh)
     flops_down = 2.0 * h * (tokens * k * n + tokens * n_sh)
+    gate_up, group_m = variants(tokens, k, len(a[2]), fp8, gate_up, group_m)
     rows = []
     for c, product, group in [(c, g, m) for c in configs for g in gate_up for m in group_m]:
         tiles = dict(_tiles(c, tokens, k, len(a[2]), fp8), ONE_DOT=product == "one_dot", GROUP_M=group)
@@ -108,12 +121,13 @@ def main(argv=None) -> None:
     p.add_argument("--precisions", nargs="+", choices=["bf16", "fp8"], default=["fp8", "bf16"])
     p.add_argument("--configs", nargs="+", help="tile configs BM,BN,BK,warps,stages[,BN_DOWN] (default: a sweep "
                                                  "per precision)")
-    p.add_argument("--gate-up", nargs="+", choices=["two_dots", "one_dot"], default=["two_dots"],
+    p.add_argument("--gate-up", nargs="+", choices=["two_dots", "one_dot"], default=[],
                    help="the gate/up kernel's product per K step (kernel option moe_gate_up): each config is "
-                        "run with each")
-    p.add_argument("--group-m", type=int, nargs="+", default=[0],
+                        "run with each (default: what the tile table picks at each size)")
+    p.add_argument("--group-m", type=int, nargs="+", default=[],
                    help="the programs' order (kernel option moe_group_m): 0 = row blocks fastest over all, "
-                        "g = groups of g row blocks, each group's column tiles first")
+                        "g = groups of g row blocks, each group's column tiles first (default: the tile "
+                        "table's pick at each size)")
     p.add_argument("--preset", default="m3")
     p.add_argument("--calls", type=int, default=3, help="profiled calls per config")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
