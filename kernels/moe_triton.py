@@ -536,10 +536,8 @@ def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
     docs/kernel-notes.md#moe-tiles). BLOCK_M is one for both kernels: it is the padding
     of the experts' sorted runs, which the two share. The kernel options moe_tiles,
     moe_gate_up and moe_group_m replace the table's choices."""
-    return _with_switches(_tile_table(tokens, top_k, num_experts, fp8, float32))
-
-
-def _with_switches(cfg: dict) -> dict:
+    # two products, row blocks fastest: unless the table's entry says otherwise
+    cfg = {"ONE_DOT": False, "GROUP_M": 0, **_tile_table(tokens, top_k, num_experts, fp8, float32)}
     opts = kernel_options()
     if opts.moe_gate_up != "auto":
         cfg["ONE_DOT"] = opts.moe_gate_up == "one_dot"
@@ -553,20 +551,18 @@ def _tile_table(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
     if vals is not None:
         bm, bn, bk, warps, stages = vals[:5]
         return {"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages,
-                "BN_DOWN": vals[5] if len(vals) == 6 else bn, "down_warps": warps, "down_stages": stages,
-                "ONE_DOT": False, "GROUP_M": 0}
+                "BN_DOWN": vals[5] if len(vals) == 6 else bn, "down_warps": warps, "down_stages": stages}
     avg = tokens * top_k / max(num_experts, 1)
     if float32:  # 4-byte tiles: halve K and the pipeline depth to fit the 227 KB of shared memory
         bm = 16 if avg <= 16 else 32 if avg <= 48 else 64 if avg <= 192 else 128
         warps = 4 if bm <= 64 else 8
         return {"BM": bm, "BN": 128, "BK": 32, "num_warps": warps, "num_stages": 2, "BN_DOWN": 128,
-                "down_warps": warps, "down_stages": 2, "ONE_DOT": False, "GROUP_M": 0}
+                "down_warps": warps, "down_stages": 2}
     if avg <= 48:  # decode and small prefill: tuned for reading the weights
         bm = 16 if avg <= 16 else 32
         # FP8 decode (BM 16): the down GEMM in 64-column tiles, twice the programs to pull the weights
         return {"BM": bm, "BN": 128, "BK": 128 if fp8 else 64, "num_warps": 4, "num_stages": 3,
-                "BN_DOWN": 64 if fp8 and bm == 16 else 128, "down_warps": 4, "down_stages": 3,
-                "ONE_DOT": False, "GROUP_M": 0}
+                "BN_DOWN": 64 if fp8 and bm == 16 else 128, "down_warps": 4, "down_stages": 3}
     # Prefill sizes. The gate/up kernel holds the gate and up accumulators: 8 warps keep
     # them, and in FP8 the per-K-step scaled product, in registers (4 warps at BLOCK_M 128
     # spill: 3-5x slower). FP8 is fastest at BLOCK_M 64, BF16 at 128. Gate and up from one
