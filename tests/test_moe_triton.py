@@ -574,3 +574,46 @@ def test_gpu_shared_expert_in_the_grouped_launch_equals_its_own_launch(case):
 def test_gpu_op_with_the_other_switches_captures(switch):
     with _switched(switch):
         test_gpu_op_captures_into_a_cuda_graph("m3_fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [999, 1000])  # the prefill tiles (BLOCK_M 64), an odd count
+def test_gpu_gluon_kernels_against_cpu_reference(tokens, monkeypatch):
+    """moe_gemm=gluon (kernels/moe_gluon.py) on an sm_90 GPU: the Gluon gate/up and down kernels run
+    (counted) and the op matches the CPU reference as the Triton kernels do."""
+    import minimax_backend.kernels.moe_gluon as mg
+
+    if not mg.gluon_available(torch.device("cuda")):
+        pytest.skip("needs triton's Gluon and an sm_90 GPU")
+    launched = []
+    for name in ("gate_up_act", "down"):
+        real = getattr(mg, name)
+        monkeypatch.setattr(mg, name, lambda *a, _real=real, _name=name, **kw: launched.append(_name) or _real(*a, **kw))
+    with override_kernel_options(moe_gemm="gluon"):
+        test_gpu_kernels_against_cpu_reference("m3_fp8", tokens)
+    assert set(launched) == {"gate_up_act", "down"}
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_kernels_equal_the_triton_kernels_bit_for_bit():
+    """The Gluon kernels sum the same float32 products in the same order as the Triton loop
+    (per K step: the product, times the activation and weight block scales), so the layer's
+    output is the same bits, with idle and crowded experts."""
+    import minimax_backend.kernels.moe_gluon as mg
+    import minimax_backend.kernels.moe_triton as kt
+
+    if not mg.gluon_available(torch.device("cuda")):
+        pytest.skip("needs triton's Gluon and an sm_90 GPU")
+    w = R.MoEWeights(*_cuda(K.block_op_args(_block(tiny_m3_clamping, torch.bfloat16, True))))
+    x = torch.randn(1001, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).cuda()
+    ids, tw = w.route(x)
+    ids[:300, 0] = 3  # one crowded expert
+    ids[ids == 5] = 6  # and an idle one
+    common = (ids, tw, w.w13, w.w2, w.w13_scale, w.w2_scale, 0, "swigluoai", w.alpha, w.limit, w.beta,
+              w.num_experts)
+    shared = (w.shared_w13, w.shared_w2, w.shared_w13_scale, w.shared_w2_scale)
+    out = {}
+    for mode in ("triton", "gluon"):
+        with override_kernel_options(moe_gemm=mode):
+            out[mode] = kt.grouped_gated_mlp(x, *common, shared=shared)
+    assert torch.equal(out["gluon"], out["triton"])

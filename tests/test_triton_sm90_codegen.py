@@ -232,6 +232,52 @@ def test_spill_check_sees_a_spilling_config(moe, tmp_path):
     assert local_memory_bytes(kernel, tmp_path) > 0
 
 
+GLUON_GATE_UP_SIG = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_table": "*i64", "ws_table": "*i64",
+                     "block_expert": "*i32", "h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "rows_total": "i32",
+                     "n_local": "i32", "num_m_blocks": "i32", "num_n_tiles": "i32", "alpha": "fp32", "limit": "fp32",
+                     "beta": "fp32"}
+GLUON_DOWN_SIG = {"h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w_table": "*i64", "ws_table": "*i64", "sorted_pair": "*i32",
+                  "block_expert": "*i32", "topk_w": "*fp32", "y_ptr": "*bf16", "rows_total": "i32", "n_local": "i32",
+                  "num_m_blocks": "i32", "num_n_tiles": "i32"}
+
+
+def compiled_gluon_sm90(fn, signature: dict, constants: dict, num_warps: int):
+    """A Gluon kernel compiled for sm_90 (pointers specialized as 16-byte aligned)."""
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource
+    except ImportError:
+        pytest.skip(f"triton {triton.__version__} has no Gluon")
+    names = fn.arg_names
+    full = {**signature, **{k: "constexpr" for k in constants}}
+    src = GluonASTSource(fn=fn, signature={n: full[n] for n in names},
+                         constexprs={(names.index(k),): v for k, v in constants.items()},
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
+                                if t.startswith("*")})
+    return triton.compile(src, target=H200, options=dict(num_warps=num_warps))
+
+
+@pytest.mark.parametrize("width", [3072, 256], ids=["m3", "short_k"])
+def test_moe_gluon_kernels_compile_to_wgmma_without_spills(width, tmp_path):
+    """The Gluon FP8 MoE kernels (kernels/moe_gluon.py, kernel option moe_gemm=gluon) at every
+    BLOCK_M they have a config for: wgmma on the tensor cores, no register spills, shared memory
+    within the H200's. M3's widths, and 256 (fewer K steps than pipeline stages)."""
+    from minimax_backend.kernels import moe_gluon as mg
+
+    if not mg.HAVE_GLUON:
+        pytest.skip(f"triton {triton.__version__} has no Gluon")
+    hidden = 2 * width
+    for bm, cfg in mg.GATE_UP.items():
+        kernel = compiled_gluon_sm90(mg._gate_up_kernel, GLUON_GATE_UP_SIG,
+                                     dict(N=width, K=hidden, ACT=0, BM=bm, GROUP_M=4, **cfg), cfg["num_warps"])
+        assert "wgmma.mma_async" in kernel.asm["ptx"] and kernel.metadata.shared <= H200_SHARED_BYTES, bm
+        assert local_memory_bytes(kernel, tmp_path) == 0, ("gate_up", bm, cfg)
+    for bm, cfg in mg.DOWN.items():
+        kernel = compiled_gluon_sm90(mg._down_kernel, GLUON_DOWN_SIG, dict(H=hidden, K=width, BM=bm, GROUP_M=4, **cfg),
+                                     cfg["num_warps"])
+        assert "wgmma.mma_async" in kernel.asm["ptx"] and kernel.metadata.shared <= H200_SHARED_BYTES, bm
+        assert local_memory_bytes(kernel, tmp_path) == 0, ("down", bm, cfg)
+
+
 def test_moe_route_and_alignment_kernels_compile(moe):
     from minimax_backend.kernels import moe_align_triton as al
     from minimax_backend.kernels import moe_route_triton as rt
