@@ -248,7 +248,7 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: s
     def fmt(v):
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
-    widths = [max(len(c), *(len(fmt(r.get(c, ""))) for r in rows)) for c in columns]
+    widths = [max([len(c), *(len(fmt(r.get(c, ""))) for r in rows)]) for c in columns]
     lines = [title] if title else []
     lines.append("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     lines.append("  ".join("-" * w for w in widths))

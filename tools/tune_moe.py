@@ -1,7 +1,7 @@
 """Tile sweep of the MoE grouped GEMMs: each kernel's time per tile config (one device).
 
     python -m minimax_backend.tools.tune_moe --tokens 512 4096 16384 --json tune.json      # one H200
-    python -m minimax_backend.tools.tune_moe --device cpu --preset tiny-m3 --tokens 5 --precisions bf16 \\
+    TRITON_INTERPRET=1 python -m minimax_backend.tools.tune_moe --device cpu --preset tiny-m3 --tokens 5 --precisions bf16 \\
         --configs 16,128,64,4,2                                                              # smoke run
 
 The layer is bench_moe's (preset `m3`: 128 experts, top-4, one shared expert,
@@ -128,6 +128,9 @@ def main(argv=None) -> None:
                    help="the programs' order (kernel option moe_group_m): 0 = row blocks fastest over all, "
                         "g = groups of g row blocks, each group's column tiles first (default: the tile "
                         "table's pick at each size)")
+    p.add_argument("--moe-gemm", nargs="+", choices=["triton", "gluon"], default=["triton"],
+                   help="the FP8 grouped GEMMs' kernels (kernel option moe_gemm; gluon: kernels/moe_gluon.py, "
+                        "sm_90 only, at the prefill tiles it has configs for)")
     p.add_argument("--preset", default="m3")
     p.add_argument("--calls", type=int, default=3, help="profiled calls per config")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -138,6 +141,13 @@ def main(argv=None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU (use --device cpu --preset tiny-m3 for a smoke run)")
     import minimax_backend.kernels  # noqa: F401  (registers the ops)
+    from minimax_backend.kernels.interpreter import triton_interpreting
+
+    for c in args.configs or []:
+        _tiles(c, 1, 1, 1, False)  # a malformed config fails here, before anything is built
+    if args.device == "cpu" and not triton_interpreting():
+        raise SystemExit("--device cpu runs the Triton kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+    from minimax_backend.kernels.options import override_kernel_options
     from minimax_backend.tools.bench_common import print_table, write_json
     from minimax_backend.tools.bench_moe import build_block
 
@@ -148,12 +158,14 @@ def main(argv=None) -> None:
         cfg, blk = build_block(args.preset, 0, 1, fp8, device)
         configs = args.configs or (FP8_CONFIGS if fp8 else BF16_CONFIGS)
         for tokens in args.tokens:
-            with torch.no_grad():
-                rows += [dict(r, precision=precision) for r in sweep(blk, cfg, tokens, configs, args.calls, device,
-                                                                   tuple(args.gate_up), tuple(args.group_m))]
+            for gemm in args.moe_gemm if fp8 else ["triton"]:
+                with torch.no_grad(), override_kernel_options(moe_gemm=gemm):
+                    rows += [dict(r, precision=precision, moe_gemm=gemm)
+                             for r in sweep(blk, cfg, tokens, configs, args.calls, device, tuple(args.gate_up),
+                                            tuple(args.group_m))]
         del blk
     ok = [r for r in rows if "error" not in r]
-    print_table(ok, ["precision", "tokens", "config", "gate_up", "group_m", "call_us", "gate_up_us", "gate_up_tflops",
+    print_table(ok, ["precision", "moe_gemm", "tokens", "config", "gate_up", "group_m", "call_us", "gate_up_us", "gate_up_tflops",
                      "down_us", "down_tflops", "rest_us", "layer_tflops"], title="MoE grouped GEMMs per tile config")
     if args.json:
         write_json(args.json, {"benchmark": "moe_tiles", "preset": args.preset, "rows": rows})
