@@ -55,9 +55,10 @@ cp.async and reach about half of a plain GEMM's rate at prefill sizes
 takes gate and up from one product per K step and both kernels run their
 programs in groups of row blocks, so activation rows stay in L2 across
 column tiles (tile_config; the kernel options moe_gate_up / moe_group_m pin
-either way). The kernel option moe_gemm=gluon runs the FP8 prefill GEMMs as
-the TMA + wgmma kernels of kernels/moe_gluon.py instead (same bits, not yet
-faster: docs/kernel-notes.md#moe-in-gluon).
+either way). The kernel option moe_gemm=auto / gluon runs the FP8 gate/up
+GEMM at those tiles as the warp-specialized Gluon kernel of
+kernels/moe_gluon.py on an sm_90 GPU (same bits, faster per kernel:
+docs/kernel-notes.md#moe-in-gluon).
 """
 
 from __future__ import annotations
@@ -690,15 +691,13 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w13_t = ws13_t = _table(w13)
         w2_t = ws2_t = _table(w2)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
-    if fp8 and _gluon_fits(x, cfg, n, n_shared, hidden):
-        # Hopper, FP8 prefill: the Gluon kernels (kernels/moe_gluon.py) on the activation rows
-        # gathered into sorted order (TMA loads whole tiles, it cannot gather rows)
+    if fp8 and _gluon_fits(x, cfg, n, n_shared):
+        # Hopper, FP8 prefill: the warp-specialized Gluon gate/up kernel (kernels/moe_gluon.py) on
+        # the activation rows gathered into sorted order (TMA loads whole tiles, it cannot gather)
         token = torch.where(al.sorted_pair[:rows] >= 0, al.sorted_pair[:rows] // k, 0).long()
         xg = xq.view(torch.uint8)[token].view(FP8_DTYPE)
-        h, hs = moe_gluon.gate_up_act(xg, xs[token], w13_t, ws13_t, al.block_expert, bm, num_m, n_experts, n,
+        h, hs = moe_gluon.gate_up_act(xg, xs[token], w13_t, ws13_t, al.block_expert, num_m, n_experts, n,
                                       _ACT[kind], float(alpha), float(limit), float(beta), group_m)
-        y = moe_gluon.down(h, hs, w2_t, ws2_t, al.sorted_pair, al.block_expert, tw, bm, num_m, n_experts, hidden,
-                           group_m, out_dt)
     else:
         h = torch.empty(rows, n_max, dtype=FP8_DTYPE if fp8 else out_dt, device=dev)
         hs = torch.empty(rows, n_max // 128 if fp8 else 1, dtype=torch.float32, device=dev)
@@ -707,20 +706,20 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             xq, xs, w13_t, ws13_t, al.sorted_pair, al.block_expert, h, hs,
             hidden, n, n_shared, k, n_experts, num_m, n_tiles, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
             float(alpha), float(limit), float(beta), shared is not None,
-            ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn, BK=bk,
-            ONE_DOT=one_dot, GROUP_M=group_m, **launch,
+            ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn,
+            BK=bk, ONE_DOT=one_dot, GROUP_M=group_m, **launch,
         )
-        y = torch.empty(rows, hidden, dtype=out_dt, device=dev)
-        down_launch["num_stages"] = down_stages(down_launch["num_stages"], n_shared != n,
-                                                bm, bn_down, bk, 1 if fp8 else x.element_size())
-        n_tiles = triton.cdiv(hidden, bn_down)
-        _down_kernel[(num_m * n_tiles,)](
-            h, hs, w2_t, ws2_t, al.sorted_pair, al.block_expert, tw, y,
-            hidden, n_experts, num_m, n_tiles, h.stride(0), hs.stride(0), y.stride(0),
-            K=n, K_SHARED=n_shared, SHARED=shared is not None,
-            FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn_down, BK=bk,
-            GROUP_M=group_m, **down_launch,
-        )
+    y = torch.empty(rows, hidden, dtype=out_dt, device=dev)
+    down_launch["num_stages"] = down_stages(down_launch["num_stages"], n_shared != n,
+                                            bm, bn_down, bk, 1 if fp8 else x.element_size())
+    n_tiles = triton.cdiv(hidden, bn_down)
+    _down_kernel[(num_m * n_tiles,)](
+        h, hs, w2_t, ws2_t, al.sorted_pair, al.block_expert, tw, y,
+        hidden, n_experts, num_m, n_tiles, h.stride(0), hs.stride(0), y.stride(0),
+        K=n, K_SHARED=n_shared, SHARED=shared is not None,
+        FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn_down, BK=bk,
+        GROUP_M=group_m, **down_launch,
+    )
     out = torch.empty(t, hidden, dtype=out_dt if shared is not None else torch.float32, device=dev)
     cb = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)
     _combine_kernel[(t, triton.cdiv(hidden, cb))](
@@ -729,18 +728,23 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return out
 
 
-def _gluon_fits(x: torch.Tensor, cfg: dict, n: int, n_shared: int, hidden: int) -> bool:
-    """Whether the FP8 grouped GEMMs run as the Gluon kernels: kernel option moe_gemm=gluon on a CUDA
-    tensor (an error where the GPU or triton cannot run them), prefill tiles (a BLOCK_M that
-    moe_gluon has a config for), routed and shared experts of one width, whole 128-column tiles,
-    a bf16 model. Elsewhere (decode tiles, a narrower shared TP slice) the Triton kernels run."""
-    if kernel_options().moe_gemm != "gluon" or not x.is_cuda:
+def _gluon_fits(x: torch.Tensor, cfg: dict, n: int, n_shared: int) -> bool:
+    """Whether the FP8 gate/up GEMM runs as the warp-specialized Gluon kernel (kernels/moe_gluon.py).
+
+    Kernel option moe_gemm: auto = where it can (an sm_90 GPU with triton's Gluon); gluon = an error
+    where it cannot; triton = never. Either way only at its tiles (BLOCK_M 64, the FP8 prefill
+    tiles), routed and shared experts of one width, whole 128-column tiles, a bf16 model; elsewhere
+    (decode tiles, a narrower shared TP slice) the Triton kernel runs."""
+    mode = kernel_options().moe_gemm
+    if mode == "triton" or not x.is_cuda:
         return False
     if not moe_gluon.gluon_available(x.device):
+        if mode == "auto":
+            return False
         raise RuntimeError("kernel option moe_gemm=gluon needs triton's Gluon and an sm_90 (Hopper) GPU; this is "
                            f"{torch.cuda.get_device_name(x.device)} with triton {triton.__version__} "
-                           f"(Gluon {'present' if moe_gluon.HAVE_GLUON else 'missing'}): unset MINIMAX_MOE_GEMM")
-    return (cfg["BM"] in moe_gluon.GATE_UP and n == n_shared and n % 128 == 0 and hidden % 128 == 0
+                           f"(Gluon {'present' if moe_gluon.HAVE_GLUON else 'missing'}): use auto or triton")
+    return (cfg["BM"] == moe_gluon.BLOCK_M and n == n_shared and n % 128 == 0 and x.shape[1] % 128 == 0
             and x.dtype == torch.bfloat16)
 
 

@@ -19,7 +19,7 @@ environment, so a launcher sets the variables before it starts them.
 | moe_tiles        | MINIMAX_MOE_TILES        | (unset) | BM,BN,BK,warps,stages[,BN_DOWN]  | the grouped GEMMs' tiles instead of tile_config's choice by token count |
 | moe_gate_up      | MINIMAX_MOE_GATE_UP      | auto    | auto, two_dots, one_dot          | the gate/up kernel's product per K step instead of tile_config's choice (auto: one product twice as wide at prefill sizes, two products at decode sizes) |
 | moe_group_m      | MINIMAX_MOE_GROUP_M      | (unset) | a whole number >= 0              | the grouped GEMMs' program order instead of tile_config's choice: 0 = row blocks fastest over all, g = groups of g row blocks, each group's column tiles first |
-| moe_gemm         | MINIMAX_MOE_GEMM         | triton  | triton, gluon                    | gluon: the FP8 grouped GEMMs at prefill sizes as the Gluon kernels of kernels/moe_gluon.py (Hopper) instead of the Triton loop |
+| moe_gemm         | MINIMAX_MOE_GEMM         | triton  | triton, auto, gluon              | the FP8 gate/up GEMM at prefill sizes: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py where the GPU runs it (sm_90), else Triton; gluon = that kernel or an error; triton = the Triton loop |
 | moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~40 torch kernels instead of one Triton program (the default up to 1024 token-expert pairs) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
 | moe_shared       | MINIMAX_MOE_SHARED       | merged  | merged, separate                 | separate: the shared expert in its own launches instead of inside the routed ones |
@@ -51,9 +51,11 @@ docs/kernel-notes.md). Who runs them:
   8-16% faster on the H200: docs/kernel-notes.md#moe-tiles); the interpreter
   and GPU tests of tests/test_moe_triton.py run the values the table does not
   pick, tools/tune_moe.py --gate-up / --group-m sweep them;
-* moe_gemm=gluon: the Gluon kernels equal the Triton ones bit for bit but were not faster at
-  M3's sizes on the H200 (docs/kernel-notes.md#moe-in-gluon); the GPU tests of
-  tests/test_moe_triton.py run them, tools/tune_moe.py --moe-gemm times them;
+* moe_gemm=auto / gluon: the warp-specialized Gluon gate/up kernel equals the Triton one bit
+  for bit and was faster per kernel on the H200 (docs/kernel-notes.md#moe-in-gluon); it
+  becomes the default once the layer with it has been timed whole and the GPU suite run
+  with it (not yet: the session's device time ran out). The GPU tests of
+  tests/test_moe_triton.py run it, tools/tune_moe.py --moe-gemm times it;
 * allreduce_norm=symm_mem: the fused kernel's math runs in the CPU interpreter
   tests (tests/test_allreduce_norm_kernel.py); the symmetric-memory part needs
   several GPUs and has not run yet, so it is not the default.
@@ -105,8 +107,9 @@ class KernelOptions:
         "blocks fastest over all, g = groups of g row blocks, each group's column tiles first", kind="order",
         allowed="a whole number >= 0")
     moe_gemm: str = _switch(
-        "MINIMAX_MOE_GEMM", "triton", "gluon: the FP8 grouped GEMMs at prefill sizes as the Gluon kernels of "
-        "kernels/moe_gluon.py (Hopper) instead of the Triton loop", choices=("triton", "gluon"))
+        "MINIMAX_MOE_GEMM", "triton", "the FP8 gate/up GEMM at prefill sizes: auto = the warp-specialized Gluon kernel "
+        "of kernels/moe_gluon.py where the GPU runs it (sm_90), else Triton; gluon = that kernel or an error; "
+        "triton = the Triton loop", choices=("triton", "auto", "gluon"))
     moe_align: str = _switch(
         "MINIMAX_MOE_ALIGN", "triton", "torch: the experts' sorted layout from ~40 torch kernels instead of one "
         "Triton program", choices=("triton", "torch"))

@@ -236,9 +236,6 @@ GLUON_GATE_UP_SIG = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_table": "*i64", 
                      "block_expert": "*i32", "h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "rows_total": "i32",
                      "n_local": "i32", "num_m_blocks": "i32", "num_n_tiles": "i32", "alpha": "fp32", "limit": "fp32",
                      "beta": "fp32"}
-GLUON_DOWN_SIG = {"h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w_table": "*i64", "ws_table": "*i64", "sorted_pair": "*i32",
-                  "block_expert": "*i32", "topk_w": "*fp32", "y_ptr": "*bf16", "rows_total": "i32", "n_local": "i32",
-                  "num_m_blocks": "i32", "num_n_tiles": "i32"}
 
 
 def compiled_gluon_sm90(fn, signature: dict, constants: dict, num_warps: int):
@@ -257,25 +254,21 @@ def compiled_gluon_sm90(fn, signature: dict, constants: dict, num_warps: int):
 
 
 @pytest.mark.parametrize("width", [3072, 256], ids=["m3", "short_k"])
-def test_moe_gluon_kernels_compile_to_wgmma_without_spills(width, tmp_path):
-    """The Gluon FP8 MoE kernels (kernels/moe_gluon.py, kernel option moe_gemm=gluon) at every
-    BLOCK_M they have a config for: wgmma on the tensor cores, no register spills, shared memory
-    within the H200's. M3's widths, and 256 (fewer K steps than pipeline stages)."""
+def test_moe_gluon_gate_up_compiles_warp_specialized_without_spills(width, tmp_path):
+    """The warp-specialized Gluon gate/up kernel (kernels/moe_gluon.py, kernel option moe_gemm) at
+    M3's widths and at 256 (fewer K steps than pipeline stages): wgmma on the tensor cores, the
+    consumer warp groups' registers raised with setmaxnreg, no register spills, shared memory within
+    the H200's."""
     from minimax_backend.kernels import moe_gluon as mg
 
     if not mg.HAVE_GLUON:
         pytest.skip(f"triton {triton.__version__} has no Gluon")
-    hidden = 2 * width
-    for bm, cfg in mg.GATE_UP.items():
-        kernel = compiled_gluon_sm90(mg._gate_up_kernel, GLUON_GATE_UP_SIG,
-                                     dict(N=width, K=hidden, ACT=0, BM=bm, GROUP_M=4, **cfg), cfg["num_warps"])
-        assert "wgmma.mma_async" in kernel.asm["ptx"] and kernel.metadata.shared <= H200_SHARED_BYTES, bm
-        assert local_memory_bytes(kernel, tmp_path) == 0, ("gate_up", bm, cfg)
-    for bm, cfg in mg.DOWN.items():
-        kernel = compiled_gluon_sm90(mg._down_kernel, GLUON_DOWN_SIG, dict(H=hidden, K=width, BM=bm, GROUP_M=4, **cfg),
-                                     cfg["num_warps"])
-        assert "wgmma.mma_async" in kernel.asm["ptx"] and kernel.metadata.shared <= H200_SHARED_BYTES, bm
-        assert local_memory_bytes(kernel, tmp_path) == 0, ("down", bm, cfg)
+    kernel = compiled_gluon_sm90(mg._gate_up_ws_kernel, GLUON_GATE_UP_SIG,
+                                 dict(N=width, K=2 * width, ACT=0, GROUP_M=4, num_warps=4, **mg.CONFIG), 4)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
+    assert kernel.metadata.shared <= H200_SHARED_BYTES
+    assert local_memory_bytes(kernel, tmp_path) == 0
 
 
 def test_moe_route_and_alignment_kernels_compile(moe):

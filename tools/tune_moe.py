@@ -129,8 +129,8 @@ def main(argv=None) -> None:
                         "g = groups of g row blocks, each group's column tiles first (default: the tile "
                         "table's pick at each size)")
     p.add_argument("--moe-gemm", nargs="+", choices=["triton", "gluon"], default=["triton"],
-                   help="the FP8 grouped GEMMs' kernels (kernel option moe_gemm; gluon: kernels/moe_gluon.py, "
-                        "sm_90 only, at the prefill tiles it has configs for)")
+                   help="the FP8 gate/up kernel (kernel option moe_gemm; gluon: the warp-specialized kernel of "
+                        "kernels/moe_gluon.py, sm_90 only, at its BLOCK_M 64 tiles)")
     p.add_argument("--preset", default="m3")
     p.add_argument("--calls", type=int, default=3, help="profiled calls per config")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
