@@ -55,3 +55,11 @@ def test_tune_moe_rejects_a_malformed_config():
 
     with pytest.raises(SystemExit, match="BM,BN,BK,warps,stages"):
         tune_moe.main(["--device", "cpu", "--preset", "tiny-m3", "--tokens", "3", "--configs", "64,128"])
+
+
+def test_tune_moe_refuses_gluon_on_cpu():
+    """The Gluon kernel needs an sm_90 GPU: on CPU the rows would silently be the Triton kernel's."""
+    from minimax_backend.tools import tune_moe
+
+    with pytest.raises(SystemExit, match="sm_90"):
+        tune_moe.main(["--device", "cpu", "--preset", "tiny-m3", "--tokens", "3", "--moe-gemm", "triton", "gluon"])

@@ -145,6 +145,8 @@ def main(argv=None) -> None:
 
     for c in args.configs or []:
         _tiles(c, 1, 1, 1, False)  # a malformed config fails here, before anything is built
+    if args.device == "cpu" and "gluon" in args.moe_gemm:
+        raise SystemExit("--moe-gemm gluon runs on an sm_90 GPU only (the interpreter has no Gluon)")
     if args.device == "cpu" and not triton_interpreting():
         raise SystemExit("--device cpu runs the Triton kernels in Triton's interpreter: set TRITON_INTERPRET=1")
     from minimax_backend.kernels.options import override_kernel_options
