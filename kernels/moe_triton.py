@@ -691,7 +691,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w13_t = ws13_t = _table(w13)
         w2_t = ws2_t = _table(w2)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
-    if fp8 and _gluon_fits(x, cfg, n, n_shared):
+    if fp8 and gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared):
         # Hopper, FP8 prefill: the warp-specialized Gluon gate/up kernel (kernels/moe_gluon.py) on
         # the activation rows gathered into sorted order (TMA loads whole tiles, it cannot gather)
         token = torch.where(al.sorted_pair[:rows] >= 0, al.sorted_pair[:rows] // k, 0).long()
@@ -728,7 +728,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return out
 
 
-def _gluon_fits(x: torch.Tensor, cfg: dict, n: int, n_shared: int) -> bool:
+def gluon_fits(device: torch.device, dtype: torch.dtype, hidden: int, cfg: dict, n: int, n_shared: int) -> bool:
     """Whether the FP8 gate/up GEMM runs as the warp-specialized Gluon kernel (kernels/moe_gluon.py).
 
     Kernel option moe_gemm: auto = where it can (an sm_90 GPU with triton's Gluon); gluon = an error
@@ -736,16 +736,16 @@ def _gluon_fits(x: torch.Tensor, cfg: dict, n: int, n_shared: int) -> bool:
     tiles), routed and shared experts of one width, whole 128-column tiles, a bf16 model; elsewhere
     (decode tiles, a narrower shared TP slice) the Triton kernel runs."""
     mode = kernel_options().moe_gemm
-    if mode == "triton" or not x.is_cuda:
+    if mode == "triton" or device.type != "cuda":
         return False
-    if not moe_gluon.gluon_available(x.device):
+    if not moe_gluon.gluon_available(device):
         if mode == "auto":
             return False
-        raise RuntimeError("kernel option moe_gemm=gluon needs triton's Gluon and an sm_90 (Hopper) GPU; this is "
-                           f"{torch.cuda.get_device_name(x.device)} with triton {triton.__version__} "
+        raise RuntimeError(f"kernel option moe_gemm=gluon needs triton's Gluon and an sm_90 (Hopper) GPU; "
+                           f"this is {device} with triton {triton.__version__} "
                            f"(Gluon {'present' if moe_gluon.HAVE_GLUON else 'missing'}): use auto or triton")
-    return (cfg["BM"] == moe_gluon.BLOCK_M and n == n_shared and n % 128 == 0 and x.shape[1] % 128 == 0
-            and x.dtype == torch.bfloat16)
+    return (cfg["BM"] == moe_gluon.BLOCK_M and n == n_shared and n % 128 == 0 and hidden % 128 == 0
+            and dtype == torch.bfloat16)
 
 
 def shared_in_grouped_launch(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool,

@@ -576,6 +576,32 @@ def test_gpu_op_with_the_other_switches_captures(switch):
         test_gpu_op_captures_into_a_cuda_graph("m3_fp8")
 
 
+def test_where_the_gluon_gate_up_runs(monkeypatch):
+    """moe_gemm: triton never, auto where the GPU runs Gluon, gluon there or a clear error; and only
+    at its tiles (BLOCK_M 64), one expert width, a bf16 model (no GPU needed: the decision only)."""
+    import minimax_backend.kernels.moe_gluon as mg
+    import minimax_backend.kernels.moe_triton as kt
+
+    cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
+    prefill, decode = {"BM": mg.BLOCK_M}, {"BM": 16}
+    for available in (False, True):
+        monkeypatch.setattr(mg, "gluon_available", lambda device, _a=available: _a)
+        with override_kernel_options(moe_gemm="triton"):
+            assert not kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
+        with override_kernel_options(moe_gemm="auto"):
+            assert kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072) == available
+            assert not kt.gluon_fits(torch.device("cpu"), bf16, 6144, prefill, 3072, 3072)
+        with override_kernel_options(moe_gemm="gluon"):
+            if available:
+                assert kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
+                assert not kt.gluon_fits(cuda, bf16, 6144, decode, 3072, 3072)  # decode tiles: Triton
+                assert not kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 1536)  # a narrower shared slice
+                assert not kt.gluon_fits(cuda, torch.float16, 6144, prefill, 3072, 3072)
+            else:
+                with pytest.raises(RuntimeError, match="sm_90"):
+                    kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [999, 1000])  # the FP8 prefill tiles (BLOCK_M 64), an odd count
 def test_gpu_gluon_gate_up_against_cpu_reference(tokens, monkeypatch):
