@@ -68,12 +68,10 @@ if HAVE_GLUON:
         return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
 
     @gluon.jit
-    def _act_quant_store(acc_g, acc_u, rows, cols, h_ptr, hs_ptr, pid_n, N: gl.constexpr, alpha, limit, beta,
+    def _act_quant_store(g, u, rows, cols, h_ptr, hs_ptr, pid_n, N: gl.constexpr, alpha, limit, beta,
                          ACT: gl.constexpr):
-        """h = act(gate, up) of one [rows, 128] tile, quantized in 1 x 128 groups and stored (any layout)."""
-        # the eager MLP rounds the gate/up GEMM to bf16 first, then the activation
-        g = acc_g.to(gl.bfloat16).to(gl.float32)
-        u = acc_u.to(gl.bfloat16).to(gl.float32)
+        """h = act(gate, up) of one [rows, 128] tile (g and u: float32 holding bf16 values, as the
+        eager MLP rounds the gate/up GEMM first), quantized in 1 x 128 groups and stored."""
         if ACT == 0:  # SwiGLU-OAI
             g = gl.minimum(g, limit)
             u = gl.minimum(gl.maximum(u, -limit), limit)

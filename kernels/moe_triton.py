@@ -694,7 +694,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if fp8 and gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared):
         # Hopper, FP8 prefill: the warp-specialized Gluon gate/up kernel (kernels/moe_gluon.py) on
         # the activation rows gathered into sorted order (TMA loads whole tiles, it cannot gather)
-        token = torch.where(al.sorted_pair[:rows] >= 0, al.sorted_pair[:rows] // k, 0).long()
+        pair = al.sorted_pair[:rows]
+        token = torch.where(pair >= 0, pair // k, 0).long()  # padding rows read token 0, never stored
         xg = xq.view(torch.uint8)[token].view(FP8_DTYPE)
         h, hs = moe_gluon.gate_up_act(xg, xs[token], w13_t, ws13_t, al.block_expert, num_m, n_experts, n,
                                       _ACT[kind], float(alpha), float(limit), float(beta), group_m)

@@ -139,7 +139,8 @@ def main(argv=None) -> None:
     if any(g < 0 for g in args.group_m):
         raise SystemExit("--group-m: 0 (row blocks fastest) or a group size >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda needs a CUDA GPU (use --device cpu --preset tiny-m3 for a smoke run)")
+        raise SystemExit("--device cuda needs a CUDA GPU (use TRITON_INTERPRET=1 with --device cpu --preset tiny-m3 "
+                         "for a smoke run)")
     import minimax_backend.kernels  # noqa: F401  (registers the ops)
     from minimax_backend.kernels.interpreter import triton_interpreting
 
@@ -167,8 +168,9 @@ def main(argv=None) -> None:
                                             tuple(args.group_m))]
         del blk
     ok = [r for r in rows if "error" not in r]
-    print_table(ok, ["precision", "moe_gemm", "tokens", "config", "gate_up", "group_m", "call_us", "gate_up_us", "gate_up_tflops",
-                     "down_us", "down_tflops", "rest_us", "layer_tflops"], title="MoE grouped GEMMs per tile config")
+    print_table(ok, ["precision", "moe_gemm", "tokens", "config", "gate_up", "group_m", "call_us", "gate_up_us",
+                     "gate_up_tflops", "down_us", "down_tflops", "rest_us", "layer_tflops"],
+                title="MoE grouped GEMMs per tile config")
     if args.json:
         write_json(args.json, {"benchmark": "moe_tiles", "preset": args.preset, "rows": rows})
 
