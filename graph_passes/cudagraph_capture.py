@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..kernels.options import kernel_options
 from .bucketing import effective_buckets
 
 log = logging.getLogger("minimax")
@@ -154,14 +155,16 @@ class CapturedGraphs:
         self.static_list = sorted(i for i in self.static if isinstance(example_inputs[i], torch.Tensor))
         self.buckets = tuple(buckets)
         self.copy_outputs = copy_outputs
-        self.graphs: dict[tuple, _Graph] = {}
+        self.graphs: dict[tuple, _Graph] = {}  # by (input shapes, kernel options)
         self.uncaptured: set[tuple] = set()
         self.report = report.setdefault("cudagraphs", report_entry())
 
     # ------------------------------------------------------------ calling
     def __call__(self, args: list):
         key = tuple(tuple(args[i].shape) for i in self.dynamic)
-        graph = self.graphs.get(key)
+        # The kernel switches are read while a graph is captured and frozen in it: a call under
+        # other switches (override_kernel_options) gets its own graph, not the first one's kernels.
+        graph = self.graphs.get((key, kernel_options()))
         if graph is None:
             if key in self.uncaptured or not self._wants_capture(args, key):
                 return self.run(args)
@@ -220,7 +223,7 @@ class CapturedGraphs:
         static = set(self.static_list)
         ptrs = [args[i].data_ptr() if i in static else None for i in range(len(args))]
         entry = _Graph(graph, inputs, list(outputs), ptrs, seconds)
-        self.graphs[key] = entry
+        self.graphs[(key, kernel_options())] = entry
         pool = self.device_ops.pool_bytes(device)
         self.report["pool_bytes"] = pool
         self.report["captured"].append({"tokens": tokens, "shapes": [list(s) for s in key], "seconds": seconds})

@@ -256,6 +256,31 @@ def test_wrapper_recaptures_when_a_parameter_moves(caplog):
     assert got[0].tolist() == [8.0 + v for v in _args(None, None, 2, 0)[2].float().tolist()]
 
 
+def test_wrapper_captures_again_under_other_kernel_switches():
+    """A graph freezes the kernels chosen while it was captured: another moe_gemm must not replay it."""
+    from minimax_backend.kernels.options import kernel_options, override_kernel_options
+
+    seen = []
+
+    def records_switch(args):
+        seen.append(kernel_options().moe_gemm)
+        return _toy(args)
+
+    SimOps.captures = 0
+    w = cg.CapturedGraphs(records_switch, [torch.ones(4), torch.zeros(16), torch.zeros(1, dtype=torch.long),
+                                           torch.zeros(1)], static_idxs=[0, 1], mutated_idxs=[1, 3],
+                          buckets=(1, 2, 4), copy_outputs=True, report={})
+    w.device_ops = SimOps
+    weight, cache = torch.ones(4, 4), torch.zeros(16)
+    default = kernel_options().moe_gemm
+    w(_args(weight, cache, 2, 0))
+    with override_kernel_options(moe_gemm="gluon" if default != "gluon" else "triton"):
+        w(_args(weight, cache, 2, 1))
+    assert SimOps.captures == 2 and len(set(seen)) == 2
+    w(_args(weight, cache, 2, 2))  # the default again: its first graph
+    assert SimOps.captures == 2
+
+
 def test_wrapper_hands_writes_to_per_call_inputs_back():
     def writes_x(args):
         args[3].add_(1)
