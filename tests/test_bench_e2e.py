@@ -42,3 +42,18 @@ def test_bench_e2e_smoke_on_cpu(tmp_path):
     assert d["fp8"] is True and d["tp"] == 2 and d["ep"] == 2 and d["timing"] == "interleaved"
     assert d["prefill_logits"] == "last"  # the default: logits_to_keep=1, as a serving engine samples
     assert any(k.endswith("/minimax") for k in d["compiles"])
+
+
+def test_a_kernel_variant_runs_every_call_with_its_switch(monkeypatch):
+    import minimax_backend.graph_passes as gp
+    from minimax_backend.kernels.options import kernel_options
+    from minimax_backend.tools import bench_e2e
+
+    seen = []
+    monkeypatch.setattr(gp, "compile", lambda model, **options: (lambda *a, **k: seen.append(kernel_options().moe_gemm)))
+    call = bench_e2e.make_variant("minimax-moe-gluon", object(), tp=1, ep=1)
+    call(1, 2)
+    call(3)
+    plain = bench_e2e.make_variant("minimax", object(), tp=1, ep=1)
+    plain()
+    assert seen == ["gluon", "gluon", kernel_options().moe_gemm] and seen[-1] != "gluon"

@@ -62,3 +62,32 @@ def test_host_and_device_split_tells_host_work_from_gpu_work():
     b = host_and_device_ms(quick_host_slow_gpu, repeats=3)
     assert a["host_ms"] >= 5.0 and a["device_ms"] < 1.0, a
     assert b["host_ms"] < 1.0 and b["device_ms"] >= 2.0, b
+
+
+def _at(name, start, us, stream=7):
+    return {"start": start, "us": us, "stream": stream, "name": name}
+
+
+def test_idle_gaps_merges_streams_and_names_the_work_around_each_gap():
+    from minimax_backend.tools.bench_common import idle_gaps
+
+    timeline = [
+        _at("gemm", 0.0, 50.0),
+        _at("copy", 10.0, 60.0, stream=21),  # overlaps gemm on another stream: no gap, ends last
+        _at("norm", 75.0, 5.0),  # 5 us after copy ended
+        _at("moe", 100.0, 30.0),  # 20 us after norm
+        _at("tiny", 105.0, 1.0, stream=21),  # inside moe: no gap, does not end last
+        _at("combine", 131.5, 2.0),  # 1.5 us after moe
+    ]
+    got = idle_gaps(timeline, top=2)
+    assert got["span_us"] == 133.5
+    assert got["busy_us"] == 70.0 + 5.0 + 30.0 + 2.0
+    assert got["idle_us"] == 26.5
+    assert got["gaps"] == [{"us": 20.0, "at": 80.0, "after": "norm", "before": "moe"},
+                           {"us": 5.0, "at": 70.0, "after": "copy", "before": "norm"}]
+
+
+def test_idle_gaps_of_nothing():
+    from minimax_backend.tools.bench_common import idle_gaps
+
+    assert idle_gaps([]) == {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": []}

@@ -153,6 +153,43 @@ def gpu_timeline(events) -> list[dict[str, Any]]:
              "stream": e.device_resource_id, "name": e.name} for e in gpu]
 
 
+def idle_gaps(timeline: Sequence[dict[str, Any]], top: int = 8) -> dict[str, Any]:
+    """Where the GPU idles inside a gpu_timeline: span_us (first start to last end), busy_us
+    (time some kernel or copy runs, overlaps across streams merged), idle_us = span - busy,
+    and the `top` longest gaps: us, at (start of the gap, us after the first kernel), and
+    the work that ended last before it (`after`) and the first that starts when it ends
+    (`before`)."""
+    if not timeline:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": []}
+    gaps, busy = [], 0.0
+    run_start, run_end, last = timeline[0]["start"], timeline[0]["start"] + timeline[0]["us"], timeline[0]
+    for e in timeline[1:]:
+        end = e["start"] + e["us"]
+        if e["start"] > run_end:
+            busy += run_end - run_start
+            gaps.append({"us": round(e["start"] - run_end, 1), "at": round(run_end, 1),
+                         "after": last["name"][:80], "before": e["name"][:80]})
+            run_start, run_end, last = e["start"], end, e
+        elif end >= run_end:
+            run_end, last = end, e
+    busy += run_end - run_start
+    span = run_end - timeline[0]["start"]
+    gaps.sort(key=lambda g: -g["us"])
+    return {"span_us": round(span, 1), "busy_us": round(busy, 1), "idle_us": round(span - busy, 1),
+            "gaps": gaps[:top]}
+
+
+def call_timeline(fn: Callable[[], Any]) -> list[dict[str, Any]]:
+    """The gpu_timeline of one call of fn, issued on an idle GPU (torch.profiler, CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return gpu_timeline(prof.events())
+
+
 def kernel_profile(fn: Callable[[], Any], calls: int, device: torch.device) -> tuple[dict[str, tuple[float, int]], float]:
     """{kernel name: (total us, launches)} over `calls` calls of fn, and the total us.
 

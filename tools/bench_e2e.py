@@ -20,6 +20,8 @@ values: the attention cost does not depend on them). Variants:
                    (cudagraph_copy_outputs off), as the baseline's graphs do
   minimax-no-X     the same with X off (moe = no MoE rewrite at all, sp, normquant,
                    gemmrs, megamoe, cudagraphs)
+  minimax-moe-gluon  ours with kernel option moe_gemm=gluon (the warp-specialized
+                   Gluon gate/up GEMM at FP8 prefill sizes; an error without sm_90)
   eager            the plain model as written (the numerics reference)
   inductor         torch.compile(plain model); reduce-overhead: with CUDA graphs.
                    Under tracing the plain model's MoE runs every local expert on
@@ -66,12 +68,19 @@ ABLATIONS = {
     "minimax-no-megamoe": {"moe_lower": "off"},
     "minimax-no-cudagraphs": {"cudagraphs": False},
 }
-VARIANTS = ("eager", "torch-grouped", "inductor", "reduce-overhead", "minimax", *ABLATIONS)
+# Our compile with a kernel switch changed (kernels/options.py) for every call, the captures included
+KERNEL_VARIANTS = {
+    "minimax-moe-gluon": {"moe_gemm": "gluon"},
+}
+VARIANTS = ("eager", "torch-grouped", "inductor", "reduce-overhead", "minimax", *ABLATIONS, *KERNEL_VARIANTS)
 DEFAULT_VARIANTS = ("eager", "torch-grouped", "minimax", *ABLATIONS)
 # compare_logits' figures -> the row's column suffix. The largest error is usually one token
 # whose top-k routing sat on a near-tie; the per-token median and 90th percentile show the rest.
 _NUMERICS = {"max_rel_err": "rel_err", "median_token_rel_err": "token_err_median",
              "p90_token_rel_err": "token_err_p90", "argmax_agreement": "argmax"}
+
+
+PROFILED = ("minimax", "torch-grouped", *KERNEL_VARIANTS)  # the variants --profile looks into
 
 
 def make_variant(name: str, model, tp: int, ep: int, baseline_model=None):
@@ -88,7 +97,16 @@ def make_variant(name: str, model, tp: int, ep: int, baseline_model=None):
     # Outputs valid until the next call, the contract of the baseline's reduce-overhead graphs
     # (our default copies them out of the graph: at prefill 8k that is 3.3 GB of logits, ~1.5 ms)
     options = {"tp_size": tp, "ep_size": ep, "cudagraph_copy_outputs": False, **ABLATIONS.get(name, {})}
-    return gp.compile(model, dynamic=False, **options)
+    compiled = gp.compile(model, dynamic=False, **options)
+    if name not in KERNEL_VARIANTS:
+        return compiled
+    from minimax_backend.kernels.options import override_kernel_options
+
+    def with_switches(*args, **kwargs):
+        with override_kernel_options(**KERNEL_VARIANTS[name]):
+            return compiled(*args, **kwargs)
+
+    return with_switches
 
 
 def _logits(out):
@@ -151,8 +169,8 @@ def job(rank: int, world: int, args) -> None:
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.parallel import ParallelState
     from minimax_backend.model.random_weights import fast_random_weights
-    from minimax_backend.tools.bench_common import (host_and_device_ms, interleaved_median_ms, kernel_profile,
-                                                    top_kernels, write_json)
+    from minimax_backend.tools.bench_common import (call_timeline, host_and_device_ms, idle_gaps,
+                                                    interleaved_median_ms, kernel_profile, top_kernels, write_json)
     from minimax_backend.tools.run_job import compare_logits, sync_device
 
     for name in ("recompile_limit", "cache_size_limit"):
@@ -246,11 +264,14 @@ def job(rank: int, world: int, args) -> None:
                 if device.type == "cuda" and name != "eager":  # where the step goes: host work vs GPU work
                     split = host_and_device_ms(call, args.repeats, barrier)
                     row[f"{name}_host_ms"], row[f"{name}_device_ms"] = split["host_ms"], split["device_ms"]
-                if args.profile and name in ("minimax", "torch-grouped"):
+                if args.profile and name in PROFILED:
                     kernels, total_us = kernel_profile(call, args.profile, device)
                     row[f"{name}_kernels"] = top_kernels(kernels, total_us, args.profile, 25)
                     row[f"{name}_kernel_us"] = total_us / args.profile
                     row[f"{name}_launches"] = sum(n for _, n in kernels.values()) / args.profile
+                    if device.type == "cuda":  # where the GPU idles inside one call
+                        gaps = idle_gaps(call_timeline(call))
+                        row[f"{name}_idle_us"], row[f"{name}_gaps"] = gaps["idle_us"], gaps["gaps"]
             for name in args.variants:
                 if name != "eager" and "eager" in variants:
                     row[f"x_vs_eager_{name}"] = row["eager_ms"] / row[f"{name}_ms"]
@@ -259,6 +280,10 @@ def job(rank: int, world: int, args) -> None:
                 for name in ("torch-grouped", "inductor", "reduce-overhead", *ABLATIONS):
                     if name in variants:
                         row[f"minimax_x_vs_{name}"] = row[f"{name}_ms"] / row["minimax_ms"]
+            if "torch-grouped" in variants:
+                for name in KERNEL_VARIANTS:
+                    if name in variants:
+                        row[f"{name}_x_vs_torch-grouped"] = row["torch-grouped_ms"] / row[f"{name}_ms"]
             rows.append(row)
             del reference
             if rank == 0 and args.json:
@@ -315,9 +340,11 @@ def _tables(rows, variants) -> None:
         print_cols = [key] + [f"{v}_ms" for v in variants]
         print_table(part, print_cols, title=f"\n{kind}: median ms")
         ratio_cols = [key] + [c for c in part[0] if c.startswith("minimax_x_vs_") or c == "x_vs_eager_minimax"
+                                      or c.endswith("_x_vs_torch-grouped")
                               or c in ("floor_ms", "minimax_over_floor", "minimax_tflops", "minimax_frac_of_gemm")]
         print_table(part, ratio_cols, title=f"{kind}: speed-up of minimax (other / minimax)")
-        split_cols = [key] + [c for c in part[0] if c.endswith(("_host_ms", "_device_ms", "_kernel_us", "_launches"))]
+        split_cols = [key] + [c for c in part[0]
+                              if c.endswith(("_host_ms", "_device_ms", "_kernel_us", "_launches", "_idle_us"))]
         if len(split_cols) > 1:
             print_table(part, split_cols, title=f"{kind}: host ms per call, device ms (issued behind a busy GPU), "
                                                 "kernel us and launches per call (--profile)")
@@ -325,11 +352,15 @@ def _tables(rows, variants) -> None:
         print_table(part, err_cols, title=f"{kind}: logits vs eager (max |diff| per token / largest logit: "
                                           "the worst token, the median token, the 90th percentile; argmax agreement)")
         for r in part:
-            for name in ("minimax", "torch-grouped"):
+            for name in PROFILED:
                 if f"{name}_kernels" in r:
                     print_table(r[f"{name}_kernels"][:12], ["us_per_call", "launches_per_call", "share", "name"],
                                 title=f"{kind} {r[key]}: {name}, top kernels "
                                       f"({r[f'{name}_kernel_us']:.0f} us of kernels per call)")
+                if f"{name}_gaps" in r:
+                    print_table(r[f"{name}_gaps"], ["us", "at", "after", "before"],
+                                title=f"{kind} {r[key]}: {name}, longest idle gaps inside one call "
+                                      f"({r[f'{name}_idle_us']:.0f} us idle in all)")
 
 
 def main(argv=None) -> None:
@@ -352,7 +383,8 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="m3-slice", help="model shape (tiny-m3 for a CPU smoke run)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
-                   help="also profile CALLS calls of minimax and torch-grouped: their top kernels in the JSON and tables")
+                   help="also profile CALLS calls of minimax and torch-grouped (and minimax-moe-gluon): their top "
+                        "kernels in the JSON and tables, and on a GPU the idle gaps inside one call")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
