@@ -564,8 +564,9 @@ def _tile_table(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
                 "down_warps": warps, "down_stages": 2}
     if avg <= 48:  # decode and small prefill: tuned for reading the weights
         bm = 16 if avg <= 16 else 32
-        # FP8 decode (BM 16): the down GEMM in 64-column tiles, twice the programs to pull the weights
-        return {"BM": bm, "BN": 128, "BK": 128 if fp8 else 64, "num_warps": 4, "num_stages": 3,
+        # FP8 decode (BM 16): the down GEMM in 64-column tiles, twice the programs to pull the weights.
+        # BF16 at BM 16: K steps of 128 (4-8% faster at 16-512 tokens than 64); at BM 32, 64.
+        return {"BM": bm, "BN": 128, "BK": 128 if fp8 or bm == 16 else 64, "num_warps": 4, "num_stages": 3,
                 "BN_DOWN": 64 if fp8 and bm == 16 else 128, "down_warps": 4, "down_stages": 3}
     # Prefill sizes. The gate/up kernel holds the gate and up accumulators: 8 warps keep
     # them, and in FP8 the per-K-step scaled product, in registers (4 warps at BLOCK_M 128
