@@ -4,10 +4,11 @@ After the passes and code generation the backend wraps the compiled function
 in ``CapturedGraphs``. Each distinct input shape ("token count": the element
 count of the first integer input, i.e. ``input_ids``) at or below the largest
 of ``cudagraph_buckets`` is captured once, on its first call, and replayed
-afterwards; larger ones run the compiled code directly. Callers pad their
-inputs to a bucket (``graph_passes/bucketing.py``) so that a handful of graphs covers
-every size; a size that is not a bucket is still captured, with a warning, as
-each distinct size costs a compile and a graph.
+afterwards (per kernel-switch setting: a call under other kernel options,
+kernels/options.py, is captured again); larger ones run the compiled code
+directly. Callers pad their inputs to a bucket (``graph_passes/bucketing.py``)
+so that a handful of graphs covers every size; a size that is not a bucket is
+still captured, with a warning, as each distinct size costs a compile and a graph.
 
 One capture:
   1. inputs that change between calls (ids, positions: not parameters or

@@ -57,8 +57,8 @@ programs in groups of row blocks, so activation rows stay in L2 across
 column tiles (tile_config; the kernel options moe_gate_up / moe_group_m pin
 either way). The kernel option moe_gemm=auto / gluon runs the FP8 gate/up
 GEMM at those tiles as the warp-specialized Gluon kernel of
-kernels/moe_gluon.py on an sm_90 GPU (same bits, faster per kernel:
-docs/kernel-notes.md#moe-in-gluon).
+kernels/moe_gluon.py on an sm_90 GPU (same bits; faster alone, not faster in the
+whole layer: docs/kernel-notes.md#moe-in-gluon).
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ the kernels otherwise make by shape. None of them changes the graph, so they
 are not part of the backend config; they are part of what a compile ran with
 (`kernel_options().to_dict()`, `stable_hash()`).
 
+A CUDA graph holds the kernels its capture chose: a compiled model called under
+other switches captures a graph of its own (graph_passes/cudagraph_capture.py), so
+an override reaches a model that was compiled and captured before it.
+
 They are read from the environment ONCE, on the first `kernel_options()` call
 of the process, and validated then: a bad value is a ValueError that names the
 variable and the values it takes. Benchmarks and tests change them with
@@ -52,10 +56,10 @@ docs/kernel-notes.md). Who runs them:
   and GPU tests of tests/test_moe_triton.py run the values the table does not
   pick, tools/tune_moe.py --gate-up / --group-m sweep them;
 * moe_gemm=auto / gluon: the warp-specialized Gluon gate/up kernel equals the Triton one bit
-  for bit and was faster per kernel on the H200 (docs/kernel-notes.md#moe-in-gluon); it
-  becomes the default once the layer with it has been timed whole and the GPU suite run
-  with it (not yet: the session's device time ran out). The GPU tests of
-  tests/test_moe_triton.py run it, tools/tune_moe.py --moe-gemm times it;
+  for bit and is faster alone, but the layer with it was not faster on the H200 (the down
+  kernel after it slowed; docs/kernel-notes.md#moe-in-gluon), so triton stays the default.
+  The GPU tests of tests/test_moe_triton.py run it, tools/tune_moe.py --moe-gemm times it,
+  tools/bench_e2e.py --variants minimax-moe-gluon runs the model with it;
 * allreduce_norm=symm_mem: the fused kernel's math runs in the CPU interpreter
   tests (tests/test_allreduce_norm_kernel.py); the symmetric-memory part needs
   several GPUs and has not run yet, so it is not the default.
