@@ -608,6 +608,8 @@ def test_gpu_gluon_gate_up_against_cpu_reference(tokens, monkeypatch):
     """moe_gemm=gluon (kernels/moe_gluon.py) on an sm_90 GPU: the warp-specialized gate/up kernel
     runs (counted) and the op matches the CPU reference as the Triton kernels do."""
     import minimax_backend.kernels.moe_gluon as mg
+    import minimax_backend.kernels.moe_triton as kt
+    from minimax_backend.kernels.options import kernel_options
 
     if not mg.gluon_available(torch.device("cuda")):
         pytest.skip("needs triton's Gluon and an sm_90 GPU")
@@ -616,7 +618,11 @@ def test_gpu_gluon_gate_up_against_cpu_reference(tokens, monkeypatch):
     monkeypatch.setattr(mg, "gate_up_act", lambda *a, **kw: launched.append(1) or real(*a, **kw))
     with override_kernel_options(moe_gemm="gluon"):
         test_gpu_kernels_against_cpu_reference("m3_fp8", tokens)
-    assert launched
+        why = {"options": kernel_options().to_dict(), "same_module": kt.moe_gluon is mg,
+               "tiles": kt.tile_config(tokens, 2, 8, True)}
+    # In the whole GPU suite (after the other files' GPU tests) this once stayed empty while the
+    # file alone passed (docs/measurements/2026-12-02.md, sixth session): say what was in force
+    assert launched, why
 
 
 @pytest.mark.gpu
