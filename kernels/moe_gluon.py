@@ -19,7 +19,9 @@ rows are gathered into sorted order first (TMA cannot gather rows on Hopper). Ea
 the TMA descriptor of its expert's weights in the kernel (one tensor per expert, addressed
 through moe_triton's pointer table), which takes a little global scratch per launch from
 triton's allocator (one is set here if there is none). The down GEMM stays the Triton kernel:
-its warp-specialized version measured slower (kernel-notes).
+its warp-specialized version measured slower (kernel-notes). Timed as a whole layer the pair
+was not faster than the Triton kernels (the down kernel slowed after it, and the gather costs),
+so it runs only where the kernel option moe_gemm asks for it.
 
 FP8 only, routed and shared experts of one width. The output equals the Triton kernel's bit for
 bit (the same float32 products summed in the same order: tests/test_moe_triton.py).
@@ -40,6 +42,7 @@ try:  # Gluon ships with triton >= 3.5; CPU installs and older triton use the Tr
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover
     HAVE_GLUON = False
+
 
 def gluon_available(device: torch.device) -> bool:
     """Gluon importable and a Hopper GPU (wgmma, TMA): sm_90 exactly."""
