@@ -6,23 +6,26 @@ multiple of BLOCK_M, the expert of every block, each pair's row) from about
 40 small torch kernels (sort, scans, scatters, fills). At decode sizes those
 launches cost more than the work (about half of the MoE layer's time at 1
 token, measured: docs/kernel-notes.md#moe-alignment). This file computes the same
-three tensors, equal element for element, in one launch:
+three tensors, equal element for element, in one launch, every pair in one
+tile (no loop over chunks of pairs):
 
     fill     sorted_pair = -1
-    count    tokens per local expert (one-hot sums over chunks of pairs)
-    scan     padded run starts, cumulative block counts
-    place    each pair's row = its expert's start + the number of earlier
-             pairs with the same expert (the stable order of the torch path)
-    blocks   the expert of each block = how many experts end at or before it
+    count    pairs per local expert: a histogram
+    scan     padded run starts, each expert's first place among the sorted pairs,
+             cumulative block counts
+    place    one sort of (expert, pair) keys: a pair's row = its expert's start +
+             its rank - the expert's first place (the stable order of the torch path)
+    blocks   the expert of block b = how many experts end at or before it: a
+             histogram of the experts' block ends, summed up
 
 With a shared expert run in the same launches, its id (shared_id, past every
 routed id) is one more local expert after the routed ones.
 
-One program does it all (a counting sort is sequential across chunks), so it
-is for small pair counts only: `align_fits(pairs)`; larger counts use the
-torch path, whose kernels are then cheap next to the GEMMs. The pair count
-and the expert count are compile-time constants (one compile per token-count
-bucket; the loop bounds must be Python ints under triton 3.6's interpreter).
+One program holds every pair, so it is for small pair counts only:
+`align_fits(pairs)`; larger counts use the torch path. The sort replaced a
+counting loop over chunks of 64 pairs with one-hot sums, 4-7x faster at
+5-1000 pairs (docs/kernel-notes.md#moe-alignment). The pair count and the
+expert count are compile-time constants (one compile per token-count bucket).
 """
 
 from __future__ import annotations
@@ -39,10 +42,9 @@ except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 # (token, slot) pairs up to which one program is used (64 tokens x top-4 + the shared slot =
-# 320 pairs at decode; faster than the torch path at 1 and 64 tokens, measured:
-# docs/kernel-notes.md#moe-alignment; the limit itself is a guess).
+# 320 pairs at decode). Measured faster than the torch path up to 1000 pairs
+# (docs/kernel-notes.md#moe-alignment); not measured past that.
 MAX_PAIRS = 1024
-_CHUNK = 64  # pairs per step: a CHUNK x CHUNK comparison and a CHUNK x NB one-hot in registers
 
 
 def align_fits(pairs: int) -> bool:
@@ -52,59 +54,48 @@ def align_fits(pairs: int) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _chunk(ids_ptr, c0, lane, bins, expert_offset, shared_id, PAIRS: tl.constexpr, N_LOCAL: tl.constexpr,
-               ROUTED: tl.constexpr):
-        """Pairs c0 .. c0 + CHUNK: index, in range, local expert (N_LOCAL = not ours), one-hot [CHUNK, NB].
-        Local experts 0 .. ROUTED - 1 are routed ids from expert_offset on; with a shared
-        expert (ROUTED = N_LOCAL - 1) the id shared_id is local expert ROUTED."""
-        idx = c0 + lane
-        ok = idx < PAIRS
-        raw = tl.load(ids_ptr + idx, mask=ok, other=-1).to(tl.int64)
-        e = raw - expert_offset
-        e = tl.where((e >= 0) & (e < ROUTED) & ok, e, N_LOCAL)
-        e = tl.where((raw == shared_id) & ok, ROUTED, e).to(tl.int32)
-        hit = ((e[:, None] == bins[None, :]) & ok[:, None]).to(tl.int32)
-        return idx, ok, e, hit
-
-    @triton.jit
     def _align_kernel(
         ids_ptr, sorted_pair_ptr, block_expert_ptr, pair_row_ptr, expert_offset, shared_id,
-        PAIRS: tl.constexpr, N_LOCAL: tl.constexpr, ROUTED: tl.constexpr, NB: tl.constexpr, BM: tl.constexpr,
-        MAX_ROWS: tl.constexpr, MAX_BLOCKS: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+        PAIRS: tl.constexpr, P2: tl.constexpr, N_LOCAL: tl.constexpr, ROUTED: tl.constexpr, NB: tl.constexpr,
+        BM: tl.constexpr, MAX_ROWS: tl.constexpr, MAX_BLOCKS: tl.constexpr, B2: tl.constexpr, FILL: tl.constexpr,
     ):
-        bins = tl.arange(0, NB)  # local experts 0..N_LOCAL-1; bin N_LOCAL = "not ours"
-        lane = tl.arange(0, CHUNK)
+        """Every pair at once (P2 >= PAIRS lanes): a histogram for the counts, one sort of
+        (expert, pair) keys for the places, a histogram of the experts' block ends for the
+        blocks; no loop over chunks."""
+        lane = tl.arange(0, P2)
+        ok = lane < PAIRS
+        raw = tl.load(ids_ptr + lane, mask=ok, other=-1).to(tl.int64)
+        e = raw - expert_offset
+        e = tl.where((e >= 0) & (e < ROUTED), e, N_LOCAL)
+        e = tl.where(raw == shared_id, ROUTED, e).to(tl.int32)
         # fill: every row starts as padding
         for r0 in range(0, MAX_ROWS, FILL):
             rows = r0 + tl.arange(0, FILL)
             tl.store(sorted_pair_ptr + rows, tl.full((FILL,), -1, tl.int32), mask=rows < MAX_ROWS)
-        # count
-        counts = tl.zeros((NB,), dtype=tl.int32)
-        for c0 in range(0, PAIRS, CHUNK):
-            idx, ok, e, hit = _chunk(ids_ptr, c0, lane, bins, expert_offset, shared_id, PAIRS, N_LOCAL, ROUTED)
-            counts += tl.sum(hit, axis=0)
-        # scan
+        # count, scan
+        bins = tl.arange(0, NB)  # local experts 0..N_LOCAL-1; bin N_LOCAL = "not ours"
+        counts = tl.histogram(e, NB, mask=ok)
         mine = bins < N_LOCAL
         padded = tl.where(mine, (counts + BM - 1) // BM * BM, 0)
-        start = tl.cumsum(padded, axis=0) - padded
-        cum_blocks = tl.cumsum(padded // BM, axis=0)
+        start = tl.cumsum(padded, axis=0) - padded  # each expert's first row
+        first = tl.cumsum(counts, axis=0) - counts  # its first place in the sorted pairs
+        # place: sorted by (expert, pair), so a pair's place among its expert's is its rank
+        # minus the expert's first; lanes past PAIRS sort after every pair
+        key = tl.where(ok, e, NB) * P2 + lane
+        key = tl.sort(key)
+        se = key // P2
+        pair = key % P2
+        sc = tl.minimum(se, NB - 1)
+        row = tl.gather(start, sc, 0) + lane - tl.gather(first, sc, 0)
+        local = se < N_LOCAL
         tl.debug_barrier()  # the fill's stores land before any thread places a pair
-        # place
-        seen = tl.zeros((NB,), dtype=tl.int32)  # pairs of each expert in earlier chunks
-        for c0 in range(0, PAIRS, CHUNK):
-            idx, ok, e, hit = _chunk(ids_ptr, c0, lane, bins, expert_offset, shared_id, PAIRS, N_LOCAL, ROUTED)
-            base = tl.sum(hit * (start + seen)[None, :], axis=1)
-            earlier = (e[:, None] == e[None, :]) & (lane[None, :] < lane[:, None]) & ok[None, :]
-            row = base + tl.sum(earlier.to(tl.int32), axis=1)
-            local = ok & (e < N_LOCAL)
-            tl.store(sorted_pair_ptr + row, idx.to(tl.int32), mask=local)
-            tl.store(pair_row_ptr + idx, tl.where(local, row, -1), mask=ok)
-            seen += tl.sum(hit, axis=0)
-        # blocks: searchsorted(cum_blocks, b, right=True) over the local experts
-        for b0 in range(0, MAX_BLOCKS, CHUNK):
-            b = b0 + lane
-            ends = (cum_blocks[None, :] <= b[:, None]) & mine[None, :]
-            tl.store(block_expert_ptr + b, tl.sum(ends.to(tl.int32), axis=1), mask=b < MAX_BLOCKS)
+        tl.store(sorted_pair_ptr + row, pair, mask=local)
+        tl.store(pair_row_ptr + pair, tl.where(local, row, -1), mask=se < NB)
+        # blocks: the expert of block b = how many local experts end at or before it
+        ends = tl.cumsum(padded // BM, axis=0)
+        hist = tl.histogram(ends, B2, mask=mine & (ends < B2))
+        b = tl.arange(0, B2)
+        tl.store(block_expert_ptr + b, tl.cumsum(hist, axis=0), mask=b < MAX_BLOCKS)
 
 
 def align_by_expert_triton(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int,
@@ -123,9 +114,11 @@ def align_by_expert_triton(ids: torch.Tensor, expert_offset: int, n_local: int, 
     sorted_pair = torch.empty(max_rows, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     pair_row = torch.empty(pairs, dtype=torch.int32, device=dev)
+    p2 = triton.next_power_of_2(pairs)
     _align_kernel[(1,)](
         ids.reshape(-1).contiguous(), sorted_pair, block_expert, pair_row, int(expert_offset), int(shared_id),
-        PAIRS=pairs, N_LOCAL=n_local, ROUTED=routed, NB=triton.next_power_of_2(n_local + 1), BM=block_m,
-        MAX_ROWS=max_rows, MAX_BLOCKS=max_blocks, CHUNK=_CHUNK, FILL=1024, num_warps=4,
+        PAIRS=pairs, P2=p2, N_LOCAL=n_local, ROUTED=routed, NB=triton.next_power_of_2(n_local + 1), BM=block_m,
+        MAX_ROWS=max_rows, MAX_BLOCKS=max_blocks, B2=triton.next_power_of_2(max_blocks), FILL=1024,
+        num_warps=4 if p2 <= 256 else 8,
     )
     return sorted_pair, block_expert, pair_row

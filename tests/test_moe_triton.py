@@ -399,6 +399,21 @@ def test_triton_alignment_equals_the_sort(interp, case, with_shared):
     assert torch.equal(pair_row, want.pair_row)
 
 
+@pytest.mark.parametrize("tokens", [1, 37, 200])
+def test_triton_alignment_with_one_crowded_expert_and_none_of_ours(interp, tokens):
+    """Every pair on one expert (one long run, the other runs empty), then none of them local."""
+    from minimax_backend.kernels.moe_align_triton import align_by_expert_triton
+
+    crowded = torch.full((tokens, 4), 5)
+    crowded[::3, 1] = 130  # another rank's expert
+    crowded[-1] = -1  # a padding row
+    for ids, offset, n_local in ((crowded, 0, 128), (crowded, 64, 64)):
+        want = interp.align_by_expert(ids, offset, n_local, 16)
+        got = align_by_expert_triton(ids, offset, n_local, 16)
+        for a, b in zip(got, (want.sorted_pair, want.block_expert, want.pair_row)):
+            assert torch.equal(a, b)
+
+
 def test_alignment_puts_the_shared_expert_last_and_keeps_other_ranks_out():
     from minimax_backend.kernels.moe_triton import align_by_expert
 

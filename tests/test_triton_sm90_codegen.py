@@ -281,8 +281,9 @@ def test_moe_route_and_alignment_kernels_compile(moe):
                  num_warps=1)
     compile_sm90(al._align_kernel, {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32",
                                     "pair_row_ptr": "*i32", "expert_offset": "i32", "shared_id": "i32"},
-                 dict(PAIRS=5, N_LOCAL=129, ROUTED=128, NB=256, BM=16, MAX_ROWS=1936, MAX_BLOCKS=121, CHUNK=64,
-                      FILL=1024), ["ids_ptr", "sorted_pair_ptr", "block_expert_ptr", "pair_row_ptr"], num_warps=4)
+                 dict(PAIRS=320, P2=512, N_LOCAL=129, ROUTED=128, NB=256, BM=16, MAX_ROWS=2256, MAX_BLOCKS=141,
+                      B2=256, FILL=1024), ["ids_ptr", "sorted_pair_ptr", "block_expert_ptr", "pair_row_ptr"],
+                 num_warps=8)
 
 
 # ------------------------------------------------------------ norm + quant
