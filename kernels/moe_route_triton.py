@@ -3,13 +3,20 @@
 kernels/moe.py:route is the model's router op for op: float32 logits, sigmoid,
 + correction bias, top-k, gather, renormalize, x routed scaling. After the
 logits GEMM that is about eight small launches, which at decode cost more than
-the work (measured: docs/kernel-notes.md#moe-routing). Here the logits GEMM stays
-with cuBLAS and one kernel does the rest:
+the work (measured: docs/kernel-notes.md#moe-routing). Here one kernel does the
+selection after the logits:
 
     scores  = sigmoid(logits)                       float32
     choice  = scores + bias                         (bias optional)
     ids     = the top_k choices, highest first      ties: the lower expert id
     weights = scores[ids] / sum (if normalized) * routed_scaling
+
+The logits (float32 products of the float32 router weight and the activation
+rows, summed in float32) come from cuBLAS on x.float(), or, at decode sizes
+(up to LOGITS_MAX_TOKENS rows), from `_logits_kernel`, which reads the bf16 rows
+as they are: one launch instead of cuBLAS's cast, GEMM and split-K reduction
+(docs/kernel-notes.md#moe-routing). Its sums run in another order than cuBLAS's,
+so a logit may differ from torch's in the last bits.
 
 Differences from torch, all within what torch itself leaves open: the slot
 order (torch.topk(sorted=False) promises none; the combine sums the slots in
@@ -36,6 +43,7 @@ except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 MAX_EXPERTS = 1024  # one [experts] vector per program in registers
+LOGITS_MAX_TOKENS = 128  # rows up to which _logits_kernel computes the logits (decode sizes)
 
 
 def route_mode() -> str:
@@ -79,10 +87,53 @@ if HAVE_TRITON:
         tl.store(w_ptr + dst, w, mask=picked)
 
 
+    @triton.jit
+    def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, stride_w, stride_o,
+                       BT: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr):
+        """logits[BT tokens, BE experts] = x . w in float32, products summed per lane over H
+        in steps of BH, then across the lanes."""
+        rt = tl.program_id(0) * BT + tl.arange(0, BT)
+        re = tl.program_id(1) * BE + tl.arange(0, BE)
+        acc = tl.zeros((BT, BE, BH), tl.float32)
+        for h0 in range(0, H, BH):
+            rh = h0 + tl.arange(0, BH)
+            x = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_x + rh[None, :],
+                        mask=(rt[:, None] < T) & (rh[None, :] < H), other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + re[:, None].to(tl.int64) * stride_w + rh[None, :],
+                        mask=(re[:, None] < E) & (rh[None, :] < H), other=0.0).to(tl.float32)
+            acc += x[:, None, :] * w[None, :, :]
+        tl.store(out_ptr + rt[:, None] * stride_o + re[None, :], tl.sum(acc, axis=2),
+                 mask=(rt[:, None] < T) & (re[None, :] < E))
+
+
+def logits_tiles(tokens: int) -> tuple[int, int, int]:
+    """(BT, BE, BH) of _logits_kernel: one token block up to 16 rows, fewer experts per
+    program at fewer tokens so the grid still covers the GPU."""
+    bt = min(16, triton.next_power_of_2(tokens))
+    be = 1 if tokens <= 4 else 4
+    return bt, be, max(128, 2048 // (bt * be))
+
+
+def router_logits(x: torch.Tensor, router_weight: torch.Tensor, tiles=None) -> torch.Tensor:
+    """float32 [T, E] = x.float() @ router_weight.float().T; at decode sizes in one Triton launch."""
+    t, h = x.shape
+    e = router_weight.shape[0]
+    if t > LOGITS_MAX_TOKENS or x.stride(1) != 1 or router_weight.stride(1) != 1:
+        return F.linear(x.float(), router_weight.float())
+    bt, be, bh = tiles or logits_tiles(t)
+    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    _logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be))](
+        x, router_weight, out, t, e, h, x.stride(0), router_weight.stride(0), out.stride(0),
+        BT=bt, BE=be, BH=bh, num_warps=4,
+    )
+    return out
+
+
 def route_triton(x: torch.Tensor, router_weight: torch.Tensor, correction_bias, top_k: int,
                  norm_topk_prob: bool, routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids int64 [T, k], weights float32 [T, k]) as kernels/moe.py:route, in two launches."""
-    logits = F.linear(x.float(), router_weight.float())
+    """(ids int64 [T, k], weights float32 [T, k]) as kernels/moe.py:route: at decode sizes in two
+    launches (logits, selection)."""
+    logits = router_logits(x, router_weight)
     t, e = logits.shape
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)

@@ -468,6 +468,24 @@ def test_triton_route_equals_the_torch_route(interp):
         _check_route(route_triton(x, rw, cb, k, norm, 2.5), R.route(x, rw, cb, k, norm, 2.5))
 
 
+@pytest.mark.parametrize("tokens, experts, hidden, dtype", [(1, 128, 1000, torch.bfloat16), (13, 200, 300, torch.float32),
+                                                       (64, 8, 64, torch.bfloat16), (129, 8, 64, torch.float32)])
+def test_router_logits_match_a_float64_product(interp, tokens, experts, hidden, dtype):
+    """The decode-size logits kernel (and cuBLAS past LOGITS_MAX_TOKENS rows): float32 sums of the
+    products, within 1e-6 of the sum of |products| (float32 rounding over ~1000 terms is ~1e-7;
+    a wrong row, column or K step is off by O(1))."""
+    from minimax_backend.kernels.moe_route_triton import router_logits
+
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w = torch.randn(experts, hidden, generator=g) * 0.05
+    want = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    got = router_logits(x, w)
+    assert got.dtype == torch.float32 and got.shape == (tokens, experts)
+    assert ((got.double() - want).abs() / scale).max() <= 1e-6
+
+
 def test_triton_route_breaks_ties_towards_the_lower_id_and_orders_slots(interp):
     from minimax_backend.kernels.moe_route_triton import route_triton
 
