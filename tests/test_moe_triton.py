@@ -133,9 +133,10 @@ def test_where_the_shared_expert_joins_the_grouped_launch():
 
 
 # (tokens, k, experts, offset, local experts, BLOCK_M): decode sizes at M3 width, EP halves,
-# several chunks of 64 pairs, a BLOCK_M larger than the runs, tiny blocks
+# one run per expert or none, other ranks' experts, a BLOCK_M larger than the runs, tiny blocks, 16 warps
 ALIGN_CASES = [(1, 4, 128, 0, 128, 16), (23, 2, 8, 4, 4, 16), (64, 4, 128, 64, 64, 16),
-               (200, 4, 16, 0, 16, 64), (7, 2, 8, 2, 2, 4), (5, 4, 128, 0, 128, 16), (256, 4, 128, 0, 128, 16)]
+               (200, 4, 16, 0, 16, 64), (7, 2, 8, 2, 2, 4), (5, 4, 128, 0, 128, 16), (256, 4, 128, 0, 128, 16),
+               (700, 4, 128, 0, 128, 16)]  # 2800 pairs (3500 with the shared slot): 16 warps
 
 
 def _align_ids(tokens, k, experts, seed):
@@ -382,13 +383,13 @@ def test_gate_up_and_order_switches_reach_the_kernel(interp, monkeypatch):
 @pytest.mark.parametrize("case", ALIGN_CASES)
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_triton_alignment_equals_the_sort(interp, case, with_shared):
-    from minimax_backend.kernels.moe_align_triton import align_by_expert_triton
+    from minimax_backend.kernels.moe_align_triton import MAX_PAIRS, align_by_expert_triton
 
     tokens, k, experts, offset, n_local, bm = case
     ids = _align_ids(tokens, k, experts, seed=tokens)
     shared_id = -2
     if with_shared:  # one more slot per token: the shared expert, id = the expert count
-        if ids.numel() + tokens > 1024:
+        if ids.numel() + tokens > MAX_PAIRS:
             pytest.skip("past the one-program limit")
         shared_id = experts
         ids = torch.cat([ids, torch.full((tokens, 1), experts)], 1)
