@@ -113,13 +113,13 @@ def logits_tiles(tokens: int) -> tuple[int, int, int]:
     return bt, 1, 2048 if bt == 1 else 512
 
 
-def router_logits(x: torch.Tensor, router_weight: torch.Tensor, tiles=None) -> torch.Tensor:
+def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
     """float32 [T, E] = x.float() @ router_weight.float().T; at decode sizes in one Triton launch."""
     t, h = x.shape
     e = router_weight.shape[0]
     if t > LOGITS_MAX_TOKENS or x.stride(1) != 1 or router_weight.stride(1) != 1:
         return F.linear(x.float(), router_weight.float())
-    bt, be, bh = tiles or logits_tiles(t)
+    bt, be, bh = logits_tiles(t)
     out = torch.empty(t, e, dtype=torch.float32, device=x.device)
     _logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be))](
         x, router_weight, out, t, e, h, x.stride(0), router_weight.stride(0), out.stride(0),

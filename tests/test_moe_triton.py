@@ -470,7 +470,8 @@ def test_triton_route_equals_the_torch_route(interp):
 
 
 @pytest.mark.parametrize("tokens, experts, hidden, dtype", [(1, 128, 1000, torch.bfloat16), (13, 200, 300, torch.float32),
-                                                       (64, 8, 64, torch.bfloat16), (129, 8, 64, torch.float32)])
+                                                       (16, 8, 70, torch.bfloat16), (64, 8, 64, torch.bfloat16),
+                                                       (129, 8, 64, torch.float32)])
 def test_router_logits_match_a_float64_product(interp, tokens, experts, hidden, dtype):
     """The decode-size logits kernel (and cuBLAS past LOGITS_MAX_TOKENS rows): float32 sums of the
     products, within 1e-6 of the sum of |products| (float32 rounding over ~1000 terms is ~1e-7;
