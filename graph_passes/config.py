@@ -38,7 +38,6 @@ class BackendConfig:
     # order, between a cleanup first and last (PASS_SWITCHES, DEFAULT_ORDER).
     moe_canonicalize: str = _pass_switch("eager MoE -> one minimax::moe op")
     fuse_indexer_qkv: str = _pass_switch("sparse layers: QKV + indexer projections -> one GEMM")
-    decode_attention: str = _pass_switch("decode-step SDPA over the KV cache -> one split-cache kernel")
     sequence_parallel: str = _pass_switch("residual stream split by token across TP ranks")
     fuse_norm_quant: str = _pass_switch("RMSNorm + FP8 quantize -> one kernel")
     gemm_reduce_scatter: str = _pass_switch("matmul + reduce-scatter -> one overlapped op")

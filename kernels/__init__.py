@@ -19,7 +19,6 @@ from . import norm_quant  # noqa: F401  (minimax::rms_norm_quant_fp8)
 from . import moe  # noqa: F401  (minimax::moe, minimax::mega_moe)
 from . import gemm_rs  # noqa: F401  (minimax::gemm_rs)
 from . import msa  # noqa: F401  (minimax::msa_select, minimax::msa_attention)
-from . import decode_attention  # noqa: F401  (minimax::decode_attention)
 from . import stacked_gemm  # noqa: F401  (minimax::stacked_gemm; no kernel of its own: its GEMMs dispatch)
 from . import allreduce_norm  # noqa: F401  (minimax::allreduce_rms_norm_quant; the unfused ops)
 
@@ -29,5 +28,4 @@ from . import norm_quant_triton  # noqa: F401  (rms_norm_quant_fp8, quantize_fp8
 from . import moe_triton  # noqa: F401  (moe, mega_moe)
 from . import gemm_rs_cuda  # noqa: F401  (gemm_rs)
 from . import msa_triton  # noqa: F401  (msa_select, msa_attention)
-from . import decode_attention_triton  # noqa: F401  (decode_attention)
 from . import allreduce_norm_cuda  # noqa: F401  (allreduce_rms_norm_quant, behind MINIMAX_ALLREDUCE_NORM)

@@ -48,8 +48,7 @@ except ImportError:  # pragma: no cover
     triton = tl = None
     HAVE_TRITON = False
 
-__all__ = ["HAVE_TRITON", "supported", "block_scores", "top_blocks", "sparse_attention", "attention_plan",
-           "merge_splits"]
+__all__ = ["HAVE_TRITON", "supported", "block_scores", "top_blocks", "sparse_attention", "attention_plan"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -326,17 +325,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: 
         num_warps=4 if tok * g_pad <= 64 else 8,
     )
     if split > 1:
-        merge_splits(o, lse, out)
+        _merge_kernel[(tokens, hq)](o, lse, out, out.stride(0), out.stride(1), HQ=hq, SPLIT=split, D=dim, num_warps=4)
     return out
-
-
-def merge_splits(parts: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-    """out[t, h] = the flash-decoding merge of parts [T, Hq, SPLIT, d] (float32, each normalized
-    over its keys) by their log2-sum-exps lse [T, Hq, SPLIT]; out [T, Hq, d] with unit stride
-    along d. Also used by kernels/decode_attention_triton.py."""
-    tokens, hq, split, dim = parts.shape
-    _merge_kernel[(tokens, hq)](parts, lse, out, out.stride(0), out.stride(1), HQ=hq, SPLIT=split, D=dim,
-                                num_warps=4)
 
 
 # ------------------------------------------------------------ the ops' CUDA kernels

@@ -401,26 +401,3 @@ def test_msa_attention_kernel_compiles_for_m3(tok, split):
     compile_sm90(mt._merge_kernel, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32",
                                     "stride_oh": "i32"}, dict(HQ=64, SPLIT=8, D=128), ["part_ptr", "o_ptr"],
                  num_warps=4)
-
-
-# ------------------------------------------------------------ decode attention
-DECODE_SIG = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*fp32", "o_ptr": "*fp32",
-              "lse_ptr": "*fp32", "hq": "i32", "slots": "i32", "keys_per_part": "i32", "qk_scale": "fp32",
-              **{f"stride_{n}": "i32" for n in ("qb", "qh", "qs", "kb", "kh", "kl", "vb", "vh", "vl", "mb", "ms",
-                                                "ml", "ob", "oh", "os", "op")}}
-
-
-@pytest.mark.parametrize("mask", ["*fp32", "*u8"])
-def test_decode_attention_kernel_compiles_for_m3(mask):
-    """M3's dense-layer decode at TP 1: 16 query heads per KV head, head_dim 128, a split
-    cache; the K and V tiles arrive as 16-byte async copies (the pipelined loop)."""
-    from minimax_backend.kernels import decode_attention_triton as dt
-
-    consts = dict(S=1, S_PAD=1, G=16, G_PAD=16, SPLIT=8, BLOCK_N=dt.BLOCK_N, D=128, BOOL_MASK=mask == "*u8",
-                  STAGES=dt.STAGES, UPCAST=False, IEEE=False)
-    aligned = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr", "stride_qb", "stride_qh", "stride_kb", "stride_kh",
-               "stride_kl", "stride_vb", "stride_vh", "stride_vl", "stride_ob", "stride_oh", "stride_os"]
-    ptx, shared = compile_sm90(dt._decode_attention_kernel, dict(DECODE_SIG, mask_ptr=mask), consts, aligned,
-                               num_warps=4)
-    assert "cp.async.cg.shared.global" in ptx and shared <= H200_SHARED_BYTES
-    assert byte_loads(ptx) <= (dt.BLOCK_N if mask == "*u8" else 0)  # only the bool mask is bytes

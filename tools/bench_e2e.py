@@ -19,7 +19,7 @@ values: the attention cost does not depend on them). Variants:
                    replays return the graph's own outputs, valid until the next call
                    (cudagraph_copy_outputs off), as the baseline's graphs do
   minimax-no-X     the same with X off (moe = no MoE rewrite at all, sp, normquant,
-                   gemmrs, megamoe, decodeattn, cudagraphs)
+                   gemmrs, megamoe, cudagraphs)
   minimax-moe-gluon  ours with kernel option moe_gemm=gluon (the warp-specialized
                    Gluon gate/up GEMM at FP8 prefill sizes; an error without sm_90)
   eager            the plain model as written (the numerics reference)
@@ -66,7 +66,6 @@ ABLATIONS = {
     "minimax-no-normquant": {"fuse_norm_quant": "off"},
     "minimax-no-gemmrs": {"gemm_reduce_scatter": "off"},
     "minimax-no-megamoe": {"moe_lower": "off"},
-    "minimax-no-decodeattn": {"decode_attention": "off"},
     "minimax-no-cudagraphs": {"cudagraphs": False},
 }
 # Our compile with a kernel switch changed (kernels/options.py) for every call, the captures included
