@@ -7,7 +7,7 @@
 
 Three backends, chosen per call:
 
-* at most 16 rows (decode): a Triton kernel that streams the weight once
+* at most 64 rows (decode): a Triton kernel that streams the weight once
   (kernels/fp8_small_m_triton.py); no padding of the rows around it;
 
 * ``torch._scaled_mm`` with blockwise scales (cuBLASLt; 1 x 128 activation

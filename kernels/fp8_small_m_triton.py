@@ -1,13 +1,14 @@
 """The FP8 block GEMM for a few rows (decode): one pass over the weight at memory speed.
 
-    y = fp8_small_m_gemm(xq, xs, w, ws, out_dtype)     # xq [M <= 16, K], same contract as fp8_block_gemm
+    y = fp8_small_m_gemm(xq, xs, w, ws, out_dtype)     # xq [M <= 64, K], same contract as fp8_block_gemm
 
-At decode a linear layer multiplies 1-16 rows by its whole weight, so its time is
+At decode a linear layer multiplies 1-64 rows by its whole weight, so its time is
 the weight read. cuBLAS blockwise wants M padded to a multiple of 4 (four small
 copy / fill kernels around every call) and reads the weight at about 65% of the
-copy bandwidth there (docs/measurements/2026-12-02.md). Here each program owns
-BLOCK_N output columns (and, with SPLIT_K > 1, a slice of K) and streams their
-weight rows once; the rows of x ride along in one 16-row MMA tile.
+copy bandwidth at 1-16 rows, 35-60% at 64 (docs/measurements/2026-12-02.md). Here
+each program owns BLOCK_N output columns (and, with SPLIT_K > 1, a slice of K) and
+streams their weight rows once; the rows of x ride along in one MMA tile of 16,
+32 or 64 rows.
 
 Numerics are those of fp8_block_gemm: per 128-wide K group, the FP8 products
 summed in float32 (for a 16-row MMA Triton widens E4M3 to FP16, which holds it
@@ -34,9 +35,14 @@ except ImportError:  # pragma: no cover
     tl = None
     HAVE_TRITON = False
 
-__all__ = ["MAX_ROWS", "SmallMConfig", "fp8_small_m_gemm", "small_m_config", "small_m_supports"]
+__all__ = ["MAX_ROWS", "SmallMConfig", "fp8_small_m_gemm", "row_tile", "small_m_config", "small_m_supports"]
 
-MAX_ROWS = 16  # one MMA tile of rows; more rows go to the regular GEMM
+MAX_ROWS = 64  # one MMA tile of rows; more rows go to the regular GEMM
+
+
+def row_tile(m: int) -> int:
+    """The MMA tile's rows for m rows: 16, 32 or 64."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 class SmallMConfig(tuple):
@@ -139,7 +145,7 @@ def fp8_small_m_gemm(a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, ws: tor
     _small_m_kernel[grid](
         a, sa, w, ws, dest, m, n,
         a.stride(0), sa.stride(0), w.stride(0), ws.stride(0), dest.stride(0) if cfg.split_k > 1 else 0, n,
-        GROUPS_PER_SPLIT=groups // cfg.split_k, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, **launch,
+        GROUPS_PER_SPLIT=groups // cfg.split_k, BLOCK_M=row_tile(m), BLOCK_N=cfg.block_n, **launch,
     )
     if cfg.split_k > 1:
         total = m * n

@@ -338,10 +338,12 @@ def test_fp8_block_gemm_fallback_kernel_compiles(m):
     assert shared <= H200_SHARED_BYTES
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("n, k", [(9216, 6144), (6144, 8192), (24576, 6144), (6144, 12288)])
-def test_fp8_small_m_kernel_streams_weights_in_16_byte_copies(n, k, tmp_path):
+def test_fp8_small_m_kernel_streams_weights_in_16_byte_copies(n, k, block_m, tmp_path):
     """The decode GEMM (kernels/fp8_small_m_triton.py) at M3's shapes, with the config its
-    table picks: weights arrive as 16-byte async copies, no spills, shared memory fits."""
+    table picks, at its smallest and largest row tile: weights arrive as 16-byte async
+    copies, no spills, shared memory fits."""
     from minimax_backend.kernels import fp8_small_m_triton as sm
 
     cfg = sm.small_m_config(n, k)
@@ -349,7 +351,7 @@ def test_fp8_small_m_kernel_streams_weights_in_16_byte_copies(n, k, tmp_path):
            "M": "i32", "N": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_wn": "i32", "stride_wsn": "i32",
            "stride_os": "i32", "stride_om": "i32"}
     kernel = compiled_sm90(sm._small_m_kernel, sig,
-                           dict(GROUPS_PER_SPLIT=k // 128 // cfg.split_k, BLOCK_M=sm.MAX_ROWS, BLOCK_N=cfg.block_n),
+                           dict(GROUPS_PER_SPLIT=k // 128 // cfg.split_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n),
                            ["a_ptr", "as_ptr", "w_ptr", "ws_ptr", "out_ptr", "N", "stride_am", "stride_wn",
                             "stride_om"], num_warps=cfg.warps, num_stages=cfg.stages)
     copies = async_copies(kernel.asm["ptx"])

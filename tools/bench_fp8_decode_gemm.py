@@ -9,7 +9,7 @@ the weight so that no call finds its weight in L2):
 
   cublas     torch._scaled_mm blockwise, with the row padding and the scale
              relayout our op did around it (kernels/fp8_gemm_cuda.py)
-  small_m    the Triton kernel for <= 16 rows (kernels/fp8_small_m_triton.py),
+  small_m    the Triton kernel for <= 64 rows (kernels/fp8_small_m_triton.py),
              its default config
   op         what minimax::fp8_block_gemm runs on CUDA now (the dispatch)
   floor      the weight's bytes at the copy bandwidth measured in this run
