@@ -5,15 +5,17 @@
 At decode a linear layer multiplies 1-64 rows by its whole weight, so its time is
 the weight read. cuBLAS blockwise wants M padded to a multiple of 4 (four small
 copy / fill kernels around every call) and reads the weight at about 65% of the
-copy bandwidth at 1-16 rows, 35-60% at 64 (docs/measurements/2026-12-02.md). Here
+copy bandwidth at 1-16 rows, 45-75% at 64 (docs/measurements/2026-12-02.md, -03). Here
 each program owns BLOCK_N output columns (and, with SPLIT_K > 1, a slice of K) and
 streams their weight rows once; the rows of x ride along in one MMA tile of 16,
 32 or 64 rows.
 
 Numerics are those of fp8_block_gemm: per 128-wide K group, the FP8 products
-summed in float32 (for a 16-row MMA Triton widens E4M3 to FP16, which holds it
-exactly, and the products are exact), then scaled by the row's activation
-scale and the block's weight scale. With SPLIT_K > 1 each slice writes float32
+summed, then scaled by the row's activation scale and the block's weight scale
+in float32. A 16-row tile widens E4M3 to FP16 for the MMA (exact products,
+float32 sums); the 32- and 64-row tiles run Hopper's FP8 MMA, whose accumulator
+keeps fewer bits within a K group, exactly as cuBLAS's blockwise GEMM that these
+rows ran before (docs/kernel-notes.md#fp8-block-gemm). With SPLIT_K > 1 each slice writes float32
 partial sums that a second small kernel adds in a fixed order (no atomics:
 the result does not depend on timing).
 """

@@ -77,7 +77,7 @@ def test_a_wrong_weight_block_scale_is_seen():
 
 
 @in_child
-def test_the_op_runs_it_for_at_most_16_rows():
+def test_the_op_runs_it_for_at_most_64_rows():
     """fp8_block_gemm's CUDA entry (kernels/fp8_gemm_cuda.py) sends <= 64 rows here (the same
     bytes as calling the kernel), leading dims and `out=` included; 65 rows go elsewhere."""
     from minimax_backend.kernels.fp8_gemm_cuda import fp8_block_gemm_cuda
