@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+if __name__ != "minimax_backend.graph_passes":
+    # found as a top-level `graph_passes` (the repository root on sys.path): a second pass registry
+    # and backend would not be the ones the "minimax" backend runs (kernels/__init__.py likewise)
+    raise ImportError(f"this folder is the package minimax_backend.graph_passes; import it by that name, "
+                      f"not as {__name__!r}")
+
 from .backend import compile_reports, last_compile_report, minimax_backend
 from .base import GraphPass, PassContext, PassError, PassResult, PassWarning
 from .config import BackendConfig, BackendOptionError

@@ -13,19 +13,27 @@ Two kinds of module, imported in this order:
 Imports only ever go GPU module -> op module, never back.
 """
 
-# op modules
-from . import fp8  # noqa: F401  (minimax::quantize_fp8, minimax::fp8_block_gemm)
-from . import norm_quant  # noqa: F401  (minimax::rms_norm_quant_fp8)
-from . import moe  # noqa: F401  (minimax::moe, minimax::mega_moe)
-from . import gemm_rs  # noqa: F401  (minimax::gemm_rs)
-from . import msa  # noqa: F401  (minimax::msa_select, minimax::msa_attention)
-from . import stacked_gemm  # noqa: F401  (minimax::stacked_gemm; no kernel of its own: its GEMMs dispatch)
-from . import allreduce_norm  # noqa: F401  (minimax::allreduce_rms_norm_quant; the unfused ops)
+if __name__ != "minimax_backend.kernels":
+    # This folder found as a top-level `kernels` (the repository root on sys.path): e.g.
+    # transformers imports `kernels` to probe for Hugging Face's package of that name. A
+    # second copy of these modules would define every minimax:: op again, and the ops would
+    # then run the copy, whose kernel options override_kernel_options does not reach. So:
+    # an empty package without submodules (tests/test_import_names.py).
+    __path__ = []
+else:
+    # op modules
+    from . import fp8  # noqa: F401  (minimax::quantize_fp8, minimax::fp8_block_gemm)
+    from . import norm_quant  # noqa: F401  (minimax::rms_norm_quant_fp8)
+    from . import moe  # noqa: F401  (minimax::moe, minimax::mega_moe)
+    from . import gemm_rs  # noqa: F401  (minimax::gemm_rs)
+    from . import msa  # noqa: F401  (minimax::msa_select, minimax::msa_attention)
+    from . import stacked_gemm  # noqa: F401  (minimax::stacked_gemm; no kernel of its own: its GEMMs dispatch)
+    from . import allreduce_norm  # noqa: F401  (minimax::allreduce_rms_norm_quant; the unfused ops)
 
-# GPU modules: the ops' CUDA kernels
-from . import fp8_gemm_cuda  # noqa: F401  (fp8_block_gemm)
-from . import norm_quant_triton  # noqa: F401  (rms_norm_quant_fp8, quantize_fp8)
-from . import moe_triton  # noqa: F401  (moe, mega_moe)
-from . import gemm_rs_cuda  # noqa: F401  (gemm_rs)
-from . import msa_triton  # noqa: F401  (msa_select, msa_attention)
-from . import allreduce_norm_cuda  # noqa: F401  (allreduce_rms_norm_quant, behind MINIMAX_ALLREDUCE_NORM)
+    # GPU modules: the ops' CUDA kernels
+    from . import fp8_gemm_cuda  # noqa: F401  (fp8_block_gemm)
+    from . import norm_quant_triton  # noqa: F401  (rms_norm_quant_fp8, quantize_fp8)
+    from . import moe_triton  # noqa: F401  (moe, mega_moe)
+    from . import gemm_rs_cuda  # noqa: F401  (gemm_rs)
+    from . import msa_triton  # noqa: F401  (msa_select, msa_attention)
+    from . import allreduce_norm_cuda  # noqa: F401  (allreduce_rms_norm_quant, behind MINIMAX_ALLREDUCE_NORM)

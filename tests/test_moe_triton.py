@@ -655,8 +655,9 @@ def test_gpu_gluon_gate_up_against_cpu_reference(tokens, monkeypatch):
         test_gpu_kernels_against_cpu_reference("m3_fp8", tokens)
         why = {"options": kernel_options().to_dict(), "same_module": kt.moe_gluon is mg,
                "tiles": kt.tile_config(tokens, 2, 8, True)}
-    # In the whole GPU suite (after the other files' GPU tests) this once stayed empty while the
-    # file alone passed (docs/measurements/2026-12-02.md, sixth session): say what was in force
+    # It stayed empty in the whole suite while the file alone passed (2026-12-02/03): transformers'
+    # import had loaded a second copy of our kernels, whose options the override did not reach
+    # (fixed; tests/test_import_names.py). Say what was in force if it ever does again
     assert launched, why
 
 
