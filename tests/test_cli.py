@@ -31,6 +31,9 @@ def test_run_defaults_show_every_pass(tmp_path):
     assert f"graph dump of every stage: minimax_dumps/compile0-rank0/index.html" in proc.stdout
     assert dump_index.is_file()
     assert "compiling" in proc.stdout and "passes:" in proc.stdout  # progress and summary
+    assert "compiled prefill: padded to 1 x 8 tokens" in proc.stdout  # TP 2: buckets of even sizes
+    # the summary says what a pass's matches were: here the norms are kept BF16 before the gathers
+    assert "fuse_norm_quant           matches   4  (kept_bf16_before_gather 4)" in proc.stdout
     r = json.loads(report.read_text())
     assert {"tp", "ep", "tokens", "passes", "ops_before", "ops_after", "numerics", "timings_s"} <= set(r)
     assert (r["tp"], r["ep"], r["tokens"], r["dtype"]) == (2, 2, 7, "float32")
@@ -62,6 +65,7 @@ def test_run_defaults_show_every_pass(tmp_path):
     assert set(saved) == {"input_ids", "eager", "compiled"}
     assert saved["input_ids"].shape == (1, 7) and saved["eager"].shape == saved["compiled"].shape
     assert list((tmp_path / "minimax_dumps").rglob("index.html"))
+    assert "leaked semaphore" not in proc.stderr  # the ranks' exit released theirs (tools/launch.py)
 
 
 def test_make_checkpoint_preset(tmp_path):
@@ -78,7 +82,11 @@ def test_make_checkpoint_preset(tmp_path):
     [
         (["run", "--options", '{"sequence_paralel": "on"}'], "sequence_parallel"),  # typo: valid keys listed
         (["run", "--options", "[1]"], "JSON object"),
+        (["run", "--options", '{"sequence_parallel": "maybe"}'], "must be one of 'auto', 'on', 'off'"),
+        (["run", "--options", '{"ep_size": 3}'], "ep_size=3 must divide tp_size=2"),
         (["run", "--tp", "2", "--ep", "3"], "--ep 3 must"),
+        (["run", "--tp", "3"], "4 heads are not divisible by tp_size 3"),  # tiny-m3 cannot shard 3 ways
+        (["run", "--tokens", "0"], "--tokens and --batch must be at least 1"),
         (["make-checkpoint", "--config", "no-such-preset", "--out", "x"], "neither a config file nor a preset"),
     ],
 )
@@ -86,6 +94,8 @@ def test_bad_input_fails_fast_with_a_message(tmp_path, args, message):
     proc = _cli(*args, tmp_path=tmp_path, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]  # the message alone, before any rank starts
+    assert "every pass has work" not in proc.stdout  # nothing announced for a run that does not start
 
 
 def test_run_checkpoint_without_config(tmp_path):

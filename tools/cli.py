@@ -74,9 +74,12 @@ def _options(text: str | None) -> dict:
         raise SystemExit(f"--options is not valid JSON: {e}") from None
     if not isinstance(options, dict):
         raise SystemExit("--options must be a JSON object, e.g. '{\"strict\": true}'")
-    from minimax_backend.graph_passes.config import BackendConfig
+    from minimax_backend.graph_passes.config import BackendConfig, BackendOptionError
 
-    BackendConfig.from_options(options)  # unknown keys fail here, before any rank starts
+    try:
+        BackendConfig.from_options(options)  # unknown keys and bad values fail here, before any rank starts
+    except BackendOptionError as e:
+        raise SystemExit(f"--options: {e}") from None
     return options
 
 
@@ -89,23 +92,40 @@ def cmd_make_checkpoint(a) -> None:
 
 
 def _run_args(a, compile_only: bool):
+    """The job's arguments, every check a user can fail done here, before any rank starts,
+    each as its message alone (no traceback)."""
+    from minimax_backend.graph_passes.config import BackendConfig, BackendOptionError
+    from minimax_backend.model.config import MiniMaxConfig
+    from minimax_backend.model.config_error import ConfigError
     from minimax_backend.tools.run_job import RunArgs
 
     options = _options(a.options)  # a typo fails before any work
-    if a.options is None and not compile_only:
-        options = dict(DEMO_OPTIONS)
-        print(f"[minimax] no --options: using {json.dumps(DEMO_OPTIONS)} so that every pass has work at "
-              f"{a.tokens} tokens", flush=True)
+    if a.tokens < 1 or a.batch < 1:
+        raise SystemExit("--tokens and --batch must be at least 1")
     if a.ep is None:
         a.ep = a.tp  # expert parallelism over every rank, as the fused MoE is built for
-    checkpoint = Path(a.checkpoint) if a.checkpoint else default_checkpoint()
-    if not (checkpoint / "config.json").is_file():
-        raise SystemExit(f"--checkpoint {checkpoint}: no config.json there")
+    if a.tp < 1 or a.ep < 1 or a.tp % a.ep:
+        raise SystemExit(f"--ep {a.ep} must be >= 1 and divide --tp {a.tp}")
     if a.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: no CUDA GPU is visible")
+    checkpoint = Path(a.checkpoint) if a.checkpoint else default_checkpoint()
+    if not (checkpoint / "config.json").is_file():
+        raise SystemExit(f"--checkpoint {checkpoint}: no config.json there")
+    try:
+        MiniMaxConfig.from_json_file(checkpoint / "config.json").validate_for_parallel(a.tp, a.ep)
+    except ConfigError as e:  # a model these ranks cannot shard
+        raise SystemExit(f"--tp {a.tp} / --ep {a.ep}: {e}") from None
+    if a.options is None and not compile_only:
+        options = dict(DEMO_OPTIONS)
+        print(f"[minimax] no --options: using {json.dumps(DEMO_OPTIONS)} so that every pass has work at "
+              f"{a.tokens} tokens", flush=True)
+    try:  # the options against these ranks (e.g. an ep_size that does not divide --tp)
+        BackendConfig.from_options({"tp_size": a.tp, "ep_size": a.ep, **options})
+    except BackendOptionError as e:
+        raise SystemExit(f"--options: {e}") from None
     return RunArgs(
         checkpoint=str(checkpoint), tp=a.tp, ep=a.ep, tokens=a.tokens, batch=a.batch,
         dtype=a.dtype, decode_steps=0 if compile_only else a.decode_steps,
@@ -119,14 +139,6 @@ def _launch(run_args) -> None:
     from minimax_backend.tools.launch import run_on_ranks
     from minimax_backend.tools.run_job import run_job
 
-    if run_args.tp < 1 or run_args.ep < 1 or run_args.tp % run_args.ep:
-        raise SystemExit(f"--ep {run_args.ep} must be >= 1 and divide --tp {run_args.tp}")
-    if run_args.tokens < 1 or run_args.batch < 1:
-        raise SystemExit("--tokens and --batch must be at least 1")
-    from minimax_backend.model.config import MiniMaxConfig
-
-    config = MiniMaxConfig.from_json_file(Path(run_args.checkpoint) / "config.json")
-    config.validate_for_parallel(run_args.tp, run_args.ep)  # fail before starting ranks
     run_on_ranks(run_job, run_args.tp, run_args.device, run_args)
 
 
