@@ -17,6 +17,7 @@ _run_and_leave): call run_on_ranks last.
 from __future__ import annotations
 
 import datetime
+import multiprocessing.util
 import os
 import socket
 import sys
@@ -94,6 +95,10 @@ def _run_and_leave(job: Job, rank: int, world_size: int, device: str, args: Any,
     if device == "cuda" or spawned_child:
         sys.stdout.flush()
         sys.stderr.flush()
+        # os._exit skips the interpreter's exit hooks: release this process's multiprocessing
+        # semaphores (Inductor's compile workers make some) as they would, else the parent's
+        # resource tracker warns about "leaked semaphore objects" after the job's summary
+        getattr(multiprocessing.util, "_run_finalizers", lambda minpriority: None)(0)
         os._exit(0)
     dist.destroy_process_group()
 

@@ -204,6 +204,7 @@ def run_job(rank: int, world_size: int, args: RunArgs) -> None:
         "ep": args.ep,
         "tokens": args.tokens,
         "batch": args.batch,
+        "padded_tokens": prefill_len,  # what the compiled prefill ran on (a CUDA-graph bucket)
         "dtype": args.dtype,
         "device": device.type,
         "model_type": config.model_type,
@@ -257,6 +258,10 @@ def print_summary(result: dict[str, Any]) -> None:
     print()
     print(f"== minimax run: {result['model_type']} TP {result['tp']} EP {result['ep']}, "
           f"{result['batch']} x {result['tokens']} tokens, {result['dtype']} on {result['device']}")
+    padded = result.get("padded_tokens")
+    if padded and padded != result["tokens"]:
+        print(f"compiled prefill: padded to {result['batch']} x {padded} tokens (a CUDA-graph bucket; "
+              f"the pad's logits are dropped), eager on the {result['tokens']} alone")
     a = result.get("attention")
     if a:
         msa = (f"MSA (sparse) on layers {a['sparse_layers']}: top {a['topk_blocks']} blocks of {a['block_size']} keys "
@@ -265,8 +270,11 @@ def print_summary(result: dict[str, Any]) -> None:
     print("passes:")
     for p in result["passes"]:
         state = "on " if p.get("enabled") else "off"
-        why = f"  ({p['skipped']})" if p.get("skipped") else ""
-        print(f"  {state} {p['name']:<22} matches {p.get('matches', 0):>3}{why}")
+        # what the matches were (the non-zero kinds): "matched" may also mean "looked at and kept",
+        # e.g. fuse_norm_quant keeps BF16 in front of an all-gather
+        kinds = ", ".join(f"{k} {v}" for k, v in (p.get("breakdown") or {}).items() if v)
+        why = f"  ({p['skipped']})" if p.get("skipped") else f"  ({kinds})" if kinds else ""
+        print(f"  {state} {p['name']:<25} matches {p.get('matches', 0):>3}{why}")
     before, after = result["ops_before"], result["ops_after"]
     changed = sorted(k for k in set(before) | set(after) if before.get(k, 0) != after.get(k, 0))
     interesting = [k for k in sorted(set(before) | set(after))
