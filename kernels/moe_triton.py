@@ -10,7 +10,7 @@ routed to this rank's experts are sorted by expert and three kernels run:
     align_by_expert   (torch ops, no host sync) pairs sorted by expert, each
                       expert's run padded to a multiple of BLOCK_M; the
                       expert of every BLOCK_M-row block; each pair's row.
-                      At decode sizes (up to 1024 pairs) the same layout
+                      Up to 4096 pairs (MAX_PAIRS) the same layout
                       comes from one Triton program instead
                       (kernels/moe_align_triton.py; the kernel option
                       moe_align=torch keeps the sort)

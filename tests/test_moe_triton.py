@@ -18,6 +18,8 @@ Tolerances (relative to max |reference|):
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,10 +37,70 @@ OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch", "
                   "moe_gate_up=two_dots", "moe_group_m=4", "moe_group_m=0", "moe_gemm=auto"]
 
 
+class _Launches:
+    """Stands in for a Triton kernel (kernel[grid](...)): records each launch's keyword
+    arguments, then launches the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.kwargs = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.kwargs.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@contextlib.contextmanager
 def _switched(switch: str):
-    """override_kernel_options for one "option=value" of OTHER_SWITCHES."""
+    """override_kernel_options for one "option=value" of OTHER_SWITCHES, and a check, by spies
+    on the modules the ops run, that the path the switch asks for ran. A switch the ops never
+    see passes any check of the numbers alone (the default path computes the same numbers):
+    in whole-suite runs until 2026-12-03 the ops ran a second copy of these modules
+    (tests/test_import_names.py) and every test of a switch still passed."""
+    import minimax_backend.kernels.moe_gluon as mg
+    import minimax_backend.kernels.moe_triton as kt
+
     name, value = switch.split("=")
-    return override_kernel_options(**{name: value})
+    grouped, sorted_in_torch, sorted_in_triton, routed, fits, gluon = [], [], [], [], [], []
+
+    def spy(record, real):
+        def call(*args, **kwargs):
+            out = real(*args, **kwargs)
+            record.append((kwargs, out))
+            return out
+
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kt, "grouped_gated_mlp", spy(grouped, kt.grouped_gated_mlp))
+        mp.setattr(kt, "align_by_expert", spy(sorted_in_torch, kt.align_by_expert))
+        mp.setattr(kt, "align_by_expert_triton", spy(sorted_in_triton, kt.align_by_expert_triton))
+        mp.setattr(kt, "route_triton", spy(routed, kt.route_triton))
+        mp.setattr(kt, "gluon_fits", spy(fits, kt.gluon_fits))
+        mp.setattr(mg, "gate_up_act", spy(gluon, mg.gate_up_act))
+        gate_up, down = _Launches(kt._gate_up_act_kernel), _Launches(kt._down_kernel)
+        mp.setattr(kt, "_gate_up_act_kernel", gate_up)
+        mp.setattr(kt, "_down_kernel", down)
+        with override_kernel_options(**{name: value}):
+            yield
+    assert grouped, f"{switch}: the ops never reached kernels/moe_triton.py's grouped GEMMs"
+    if name == "moe_align":
+        assert sorted_in_torch and not sorted_in_triton, \
+            f"{switch}: torch sort {len(sorted_in_torch)} times, Triton alignment {len(sorted_in_triton)} times"
+    elif name == "moe_route":
+        assert not routed, f"{switch}: the Triton route ran {len(routed)} times"
+    elif name == "moe_shared":
+        assert all(kw.get("shared") is None for kw, _ in grouped), f"{switch}: the shared expert joined a launch"
+        assert any(kw.get("single_expert") for kw, _ in grouped), f"{switch}: the shared expert's own launch never ran"
+    elif name == "moe_gate_up":
+        assert gate_up.kwargs and all(kw["ONE_DOT"] == (value == "one_dot") for kw in gate_up.kwargs), switch
+    elif name == "moe_group_m":
+        launches = gate_up.kwargs + down.kwargs
+        assert launches and all(kw["GROUP_M"] == int(value) for kw in launches), switch
+    elif name == "moe_gemm":  # where gluon_fits says yes the Gluon gate/up runs, elsewhere the Triton one
+        assert len(gluon) == sum(1 for _, yes in fits if yes), f"{switch}: {len(gluon)} Gluon launches"
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the child")
@@ -436,9 +498,11 @@ def test_triton_alignment_refuses_too_many_pairs(interp):
 # each switch once in the interpreter (the GPU tests run every switch x dtype): the sort and the
 # route do not depend on the dtype; the shared expert's own launches carry FP8 scales
 @pytest.mark.parametrize("switch, case, tokens", [
-    ("moe_align=torch", "m3_bf16", 9), ("moe_shared=separate", "m3_fp8", 5), ("moe_route=torch", "m3_bf16", 9)])
+    ("moe_align=torch", "m3_bf16", 9), ("moe_shared=separate", "m3_fp8", 5), ("moe_route=torch", "m3_bf16", 9),
+    ("moe_gate_up=one_dot", "m3_bf16", 9), ("moe_group_m=4", "m3_fp8", 5)])
 def test_gpu_path_with_the_other_switches_equals_eager(interp, case, tokens, switch):
-    """The non-default kernel switches (torch sort, shared expert in its own launches, torch route)."""
+    """The non-default kernel switches (torch sort, shared expert in its own launches, torch route,
+    one product per K step and grouped program order at decode sizes), each seen to take its path."""
     with _switched(switch):
         test_gpu_path_of_the_ops_equals_eager(interp, case, tokens)
 

@@ -225,9 +225,11 @@ def test_fp8_block_gemm_triton_fallback_matches_reference(m, n, k, g):
 
 @in_child
 @pytest.mark.parametrize("m", [0, 5, 8])
-def test_fp8_block_gemm_cuda_writes_into_out(m):
+def test_fp8_block_gemm_cuda_writes_into_out(m, monkeypatch):
     """The entry GEMM-RS calls with `out=` (its row blocks) gives the bytes of the plain call
-    (Triton backend here: cuBLAS needs the GPU) and rejects an out of the wrong shape."""
+    (Triton backend here, seen to run: cuBLAS needs the GPU, and the small-M kernel would take
+    these rows by default) and rejects an out of the wrong shape."""
+    import minimax_backend.kernels.fp8_gemm_cuda as fg
     from minimax_backend.kernels.fp8 import quantize_weight_fp8
     from minimax_backend.kernels.fp8_gemm_cuda import fp8_block_gemm_cuda
     from minimax_backend.kernels.options import override_kernel_options
@@ -235,6 +237,10 @@ def test_fp8_block_gemm_cuda_writes_into_out(m):
     gen = torch.Generator().manual_seed(m)
     xq, xs = torch.ops.minimax.quantize_fp8(torch.randn(m, 512, generator=gen), 128)
     w, ws = quantize_weight_fp8(torch.randn(256, 512, generator=gen))
+    ran = []
+    real = fg.fp8_block_gemm_triton
+    monkeypatch.setattr(fg, "fp8_block_gemm_triton", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    monkeypatch.setattr(fg, "fp8_small_m_gemm", lambda *a, **kw: pytest.fail("the small-M kernel ran"))
     with override_kernel_options(fp8_gemm="triton"):
         want = fp8_block_gemm_cuda(xq, xs, w, ws, torch.float32)
         out = torch.full((m, 256), float("nan"))
@@ -242,6 +248,7 @@ def test_fp8_block_gemm_cuda_writes_into_out(m):
         assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
         with pytest.raises(ValueError, match="out must be a contiguous"):
             fp8_block_gemm_cuda(xq, xs, w, ws, torch.float32, out=torch.empty(m, 255))
+    assert len(ran) == (2 if m else 0)  # 0 rows return before any kernel
 
 
 @in_child
