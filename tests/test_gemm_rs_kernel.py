@@ -90,6 +90,9 @@ def _simulate(xs, weights, tokens, world, *, x_scales=None, w_scales=None, biase
 def schedule(request):
     """Both schedules of the own rows (choose_schedule picks by size; forced here)."""
     with override_kernel_options(gemm_rs_schedule=request.param):
+        # forced at both ends of choose_schedule's size rule (the simulation asks it, as the op does)
+        assert {gemm_rs_cuda.choose_schedule(r, k, fp8) for r in (8, 8192) for k in (512, 8192)
+                for fp8 in (False, True)} == {request.param}
         yield request.param
 
 
@@ -97,6 +100,7 @@ def schedule(request):
 def push(request):
     """Both ways a partial reaches its owner (copy engine from a stage, or the GEMM's own stores)."""
     with override_kernel_options(gemm_rs_push=request.param):
+        assert gemm_rs_cuda.push_mode() == request.param  # what the simulation's pushes follow
         yield request.param
 
 
