@@ -39,7 +39,7 @@ def test_bench_e2e_smoke_on_cpu(tmp_path):
     assert len(decode["experts_touched"]) == 2 and all(0 <= n <= 4 for n in decode["experts_touched"])
     assert "experts_touched" not in prefill
     assert {"copy_gbs", "fp8_tflops", "bf16_tflops"} <= set(d["floors"])
-    assert d["fp8"] is True and d["tp"] == 2 and d["ep"] == 2 and d["timing"] == "interleaved"
+    assert d["fp8"] is True and d["tp"] == 2 and d["ep"] == 2 and d["timing"].startswith("interleaved, each timed call after")
     assert d["prefill_logits"] == "last"  # the default: logits_to_keep=1, as a serving engine samples
     assert any(k.endswith("/minimax") for k in d["compiles"])
 

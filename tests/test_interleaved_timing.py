@@ -8,13 +8,31 @@ import time
 from minimax_backend.tools.bench_common import interleaved_median_ms
 
 
-def test_rounds_call_every_variant_once_in_rotated_order():
+def test_rounds_visit_every_variant_once_in_rotated_order():
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
-    interleaved_median_ms(fns, warmup=1, repeats=4)
+    interleaved_median_ms(fns, warmup=1, repeats=4, lead_in=0)
     warm, timed = calls[:3], calls[3:]
     assert warm == ["a", "b", "c"]
     assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+
+
+def test_every_timed_call_follows_a_call_of_its_own_kind():
+    """With three variants, rotation alone made b follow a in 2 rounds of 3 and c follow b in 2
+    of 3; a lead-in call per visit makes every timed call's predecessor its own variant."""
+    calls, timed = [], []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    import minimax_backend.tools.bench_common as bc
+
+    real = bc._timed_call_ms
+    try:
+        bc._timed_call_ms = lambda fn, barrier: timed.append(len(calls)) or real(fn, barrier)
+        interleaved_median_ms(fns, warmup=0, repeats=6)
+    finally:
+        bc._timed_call_ms = real
+    assert len(calls) == 2 * 3 * 6 and len(timed) == 3 * 6
+    for i in timed:  # calls[i] is the timed call, calls[i - 1] what the card ran just before it
+        assert calls[i - 1] == calls[i]
 
 
 def test_each_median_is_its_own_variants_time():
@@ -27,5 +45,8 @@ def test_each_median_is_its_own_variants_time():
 def test_barrier_runs_before_every_timed_call():
     log = []
     fns = {"a": lambda: log.append("a"), "b": lambda: log.append("b")}
-    interleaved_median_ms(fns, warmup=0, repeats=3, barrier=lambda: log.append("|"))
+    interleaved_median_ms(fns, warmup=0, repeats=3, barrier=lambda: log.append("|"), lead_in=0)
     assert log == ["|", "a", "|", "b", "|", "b", "|", "a", "|", "a", "|", "b"]
+    log.clear()
+    interleaved_median_ms(fns, warmup=0, repeats=1, barrier=lambda: log.append("|"))  # and before a lead-in
+    assert log == ["|", "a", "|", "a", "|", "b", "|", "b"]

@@ -49,14 +49,19 @@ def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, barrier
 
 
 def interleaved_median_ms(fns: dict[str, Callable[[], Any]], warmup: int = 3, repeats: int = 10,
-                          barrier: Callable[[], None] | None = None) -> dict[str, float]:
-    """Median wall ms of each fn, timed in rounds that call every fn once, the order
+                          barrier: Callable[[], None] | None = None, lead_in: int = 1) -> dict[str, float]:
+    """Median wall ms of each fn, timed in rounds that visit every fn once, the order
     rotated from round to round.
 
     Timed one after the other, a drift of the GPU's clocks or temperature over the
     run (prefill keeps the card near its power limit) falls on whichever variant runs
     later; interleaved, it reaches every variant alike (docs/measurements/2026-12-02.md).
-    Each call is timed as in median_ms."""
+    Each visit makes `lead_in` untimed calls of the same fn before the timed one, so a
+    timed call follows a call of its own kind, as in a server running one model: with
+    three variants, rotation alone made one variant follow a given other one in two
+    rounds of three (the baseline mostly followed the plain model, ours the baseline),
+    and a prefill's speed depends on what the card just ran (its power and clocks;
+    docs/measurements/2026-12-03.md). Each call is timed as in median_ms."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):
@@ -64,6 +69,10 @@ def interleaved_median_ms(fns: dict[str, Callable[[], Any]], warmup: int = 3, re
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            for _ in range(lead_in):
+                if barrier is not None:
+                    barrier()
+                fns[name]()
             times[name].append(_timed_call_ms(fns[name], barrier))
     return {name: statistics.median(t) for name, t in times.items()}
 

@@ -37,10 +37,11 @@ KV it attends to) over that bandwidth
 TFLOP/s and as a fraction of the plain GEMM's rate.
 
 Each variant is compiled on its first call at each size (timed: first_call_s),
-then all are timed together in rounds of one call each, the order rotated per
-round, so a drift of the GPU's clocks over the run reaches them alike (CUDA
-events, medians of --repeats, a barrier before each call so the ranks start
-together). On a GPU each compiled variant's call is also
+then all are timed together in rounds of one timed call each, the order rotated
+per round, so a drift of the GPU's clocks over the run reaches them alike; each
+timed call comes right after an untimed call of the same variant, so what the
+card ran just before is the same model, as in a server (CUDA events, medians of
+--repeats, a barrier before each call so the ranks start together). On a GPU each compiled variant's call is also
 split into host ms (Python until the call returns) and device ms (the call
 issued behind a busy GPU, so only its GPU work and the gaps between its
 kernels count); --profile adds the kernel time and launches per call. Every
@@ -296,7 +297,7 @@ def job(rank: int, world: int, args) -> None:
                                        "moe_layers": args.moe_layers, "fp8": not args.bf16, "context": args.context,
                                        "dynamo_module_dict_guards": getattr(
                                            torch._dynamo.config, "use_recursive_dict_tags_for_guards", None),
-                                       "repeats": args.repeats, "timing": "interleaved",
+                                       "repeats": args.repeats, "timing": "interleaved, each timed call after an untimed one of its own",
                                        "variants": list(args.variants), "rows": rows,
                                        "floors": floors,
                                        "compiles": compile_info})
