@@ -95,9 +95,9 @@ def _run_and_leave(job: Job, rank: int, world_size: int, device: str, args: Any,
     if device == "cuda" or spawned_child:
         sys.stdout.flush()
         sys.stderr.flush()
-        # os._exit skips the interpreter's exit hooks: release this process's multiprocessing
-        # semaphores (Inductor's compile workers make some) as they would, else the parent's
-        # resource tracker warns about "leaked semaphore objects" after the job's summary
+        # os._exit skips the interpreter's exit hooks: release the multiprocessing semaphores
+        # this rank made (the job's compiles make two) as they would, else the parent's resource
+        # tracker warns about "leaked semaphore objects" after the job's summary
         getattr(multiprocessing.util, "_run_finalizers", lambda minpriority: None)(0)
         os._exit(0)
     dist.destroy_process_group()
