@@ -22,6 +22,7 @@ def test_bench_e2e_smoke_on_cpu(tmp_path):
     for row in d["rows"]:
         for v in ("eager", "torch-grouped", "minimax"):  # eager: always added, the reference
             assert math.isfinite(row[f"{v}_ms"]) and row[f"{v}_ms"] > 0
+            assert len(row[f"{v}_samples_ms"]) == 1  # every timed call kept (--repeats 1)
         assert 0.0 <= row["minimax_argmax"] <= 1.0 and math.isfinite(row["minimax_rel_err"])
         # the per-token errors: the median token's and the 90th percentile's, below the worst one
         assert 0.0 <= row["minimax_token_err_median"] <= row["minimax_token_err_p90"] <= row["minimax_rel_err"]

@@ -37,9 +37,12 @@ def test_every_timed_call_follows_a_call_of_its_own_kind():
 
 def test_each_median_is_its_own_variants_time():
     fns = {"slow": lambda: time.sleep(0.02), "fast": lambda: time.sleep(0.002)}
-    ms = interleaved_median_ms(fns, warmup=0, repeats=5)
+    samples = {}
+    ms = interleaved_median_ms(fns, warmup=0, repeats=5, samples=samples)
     assert set(ms) == {"slow", "fast"}
     assert 19.0 <= ms["slow"] < 60.0 and 1.9 <= ms["fast"] < 15.0
+    assert {k: len(v) for k, v in samples.items()} == {"slow": 5, "fast": 5}
+    assert all(ms[k] == sorted(v)[2] for k, v in samples.items())  # the median of its own samples
 
 
 def test_barrier_runs_before_every_timed_call():

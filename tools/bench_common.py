@@ -49,7 +49,8 @@ def median_ms(fn: Callable[[], Any], warmup: int = 3, repeats: int = 10, barrier
 
 
 def interleaved_median_ms(fns: dict[str, Callable[[], Any]], warmup: int = 3, repeats: int = 10,
-                          barrier: Callable[[], None] | None = None, lead_in: int = 1) -> dict[str, float]:
+                          barrier: Callable[[], None] | None = None, lead_in: int = 1,
+                          samples: dict[str, list[float]] | None = None) -> dict[str, float]:
     """Median wall ms of each fn, timed in rounds that visit every fn once, the order
     rotated from round to round.
 
@@ -61,7 +62,8 @@ def interleaved_median_ms(fns: dict[str, Callable[[], Any]], warmup: int = 3, re
     three variants, rotation alone made one variant follow a given other one in two
     rounds of three (the baseline mostly followed the plain model, ours the baseline),
     and a prefill's speed depends on what the card just ran (its power and clocks;
-    docs/measurements/2026-12-03.md). Each call is timed as in median_ms."""
+    docs/measurements/2026-12-03.md). Each call is timed as in median_ms; `samples`, if
+    given, receives every variant's timed calls in order (for the JSON: spread, drift)."""
     names = list(fns)
     for name in names:
         for _ in range(warmup):
@@ -74,6 +76,8 @@ def interleaved_median_ms(fns: dict[str, Callable[[], Any]], warmup: int = 3, re
                     barrier()
                 fns[name]()
             times[name].append(_timed_call_ms(fns[name], barrier))
+    if samples is not None:
+        samples.update(times)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

@@ -258,8 +258,10 @@ def job(rank: int, world: int, args) -> None:
                         "cudagraphs": new[-1].get("cudagraphs"), "timings_s": new[-1].get("timings_s")}
                 progress(f"{label}: {name:<22} compiled, first call {first:5.1f}s{extra}")
             calls = {name: (lambda fn=fn: fn(ids, pos, **kw)) for name, fn in variants.items()}
-            for name, ms in interleaved_median_ms(calls, args.warmup, args.repeats, barrier).items():
+            samples: dict[str, list[float]] = {}
+            for name, ms in interleaved_median_ms(calls, args.warmup, args.repeats, barrier, samples=samples).items():
                 row[f"{name}_ms"] = ms
+                row[f"{name}_samples_ms"] = [round(t, 4) for t in samples[name]]  # in timing order
                 progress(f"{label}: {name:<22} {ms:8.3f} ms (median of {args.repeats}, interleaved)")
             for name, call in calls.items():
                 if device.type == "cuda" and name != "eager":  # where the step goes: host work vs GPU work
