@@ -17,19 +17,16 @@ def test_rounds_visit_every_variant_once_in_rotated_order():
     assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
 
 
-def test_every_timed_call_follows_a_call_of_its_own_kind():
+def test_every_timed_call_follows_a_call_of_its_own_kind(monkeypatch):
     """With three variants, rotation alone made b follow a in 2 rounds of 3 and c follow b in 2
     of 3; a lead-in call per visit makes every timed call's predecessor its own variant."""
-    calls, timed = [], []
-    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
     import minimax_backend.tools.bench_common as bc
 
+    calls, timed = [], []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
     real = bc._timed_call_ms
-    try:
-        bc._timed_call_ms = lambda fn, barrier: timed.append(len(calls)) or real(fn, barrier)
-        interleaved_median_ms(fns, warmup=0, repeats=6)
-    finally:
-        bc._timed_call_ms = real
+    monkeypatch.setattr(bc, "_timed_call_ms", lambda fn, barrier: timed.append(len(calls)) or real(fn, barrier))
+    interleaved_median_ms(fns, warmup=0, repeats=6)
     assert len(calls) == 2 * 3 * 6 and len(timed) == 3 * 6
     for i in timed:  # calls[i] is the timed call, calls[i - 1] what the card ran just before it
         assert calls[i - 1] == calls[i]

@@ -74,13 +74,7 @@ def _options(text: str | None) -> dict:
         raise SystemExit(f"--options is not valid JSON: {e}") from None
     if not isinstance(options, dict):
         raise SystemExit("--options must be a JSON object, e.g. '{\"strict\": true}'")
-    from minimax_backend.graph_passes.config import BackendConfig, BackendOptionError
-
-    try:
-        BackendConfig.from_options(options)  # unknown keys and bad values fail here, before any rank starts
-    except BackendOptionError as e:
-        raise SystemExit(f"--options: {e}") from None
-    return options
+    return options  # its keys and values: checked against the ranks in _run_args
 
 
 def cmd_make_checkpoint(a) -> None:
@@ -99,13 +93,20 @@ def _run_args(a, compile_only: bool):
     from minimax_backend.model.config_error import ConfigError
     from minimax_backend.tools.run_job import RunArgs
 
-    options = _options(a.options)  # a typo fails before any work
+    options = _options(a.options)
     if a.tokens < 1 or a.batch < 1:
         raise SystemExit("--tokens and --batch must be at least 1")
     if a.ep is None:
         a.ep = a.tp  # expert parallelism over every rank, as the fused MoE is built for
     if a.tp < 1 or a.ep < 1 or a.tp % a.ep:
         raise SystemExit(f"--ep {a.ep} must be >= 1 and divide --tp {a.tp}")
+    demo = a.options is None and not compile_only
+    if demo:
+        options = dict(DEMO_OPTIONS)
+    try:  # unknown keys, bad values, and the options against these ranks (an ep_size that does not divide --tp)
+        BackendConfig.from_options({"tp_size": a.tp, "ep_size": a.ep, **options})
+    except BackendOptionError as e:
+        raise SystemExit(f"--options: {e}") from None
     if a.device == "cuda":
         import torch
 
@@ -118,14 +119,9 @@ def _run_args(a, compile_only: bool):
         MiniMaxConfig.from_json_file(checkpoint / "config.json").validate_for_parallel(a.tp, a.ep)
     except ConfigError as e:  # a model these ranks cannot shard
         raise SystemExit(f"--tp {a.tp} / --ep {a.ep}: {e}") from None
-    if a.options is None and not compile_only:
-        options = dict(DEMO_OPTIONS)
+    if demo:
         print(f"[minimax] no --options: using {json.dumps(DEMO_OPTIONS)} so that every pass has work at "
               f"{a.tokens} tokens", flush=True)
-    try:  # the options against these ranks (e.g. an ep_size that does not divide --tp)
-        BackendConfig.from_options({"tp_size": a.tp, "ep_size": a.ep, **options})
-    except BackendOptionError as e:
-        raise SystemExit(f"--options: {e}") from None
     return RunArgs(
         checkpoint=str(checkpoint), tp=a.tp, ep=a.ep, tokens=a.tokens, batch=a.batch,
         dtype=a.dtype, decode_steps=0 if compile_only else a.decode_steps,
