@@ -88,11 +88,10 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, stride_x, stride_w, stride_o, H: tl.constexpr,
+    def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, stride_w, stride_o,
                        BT: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr):
         """logits[BT tokens, BE experts] = x . w in float32, products summed per lane over H
-        in steps of BH, then across the lanes. H is a compile-time constant (one model, one
-        hidden size): Triton 3.6's interpreter cannot take a runtime loop bound under NumPy 2."""
+        in steps of BH, then across the lanes."""
         rt = tl.program_id(0) * BT + tl.arange(0, BT)
         re = tl.program_id(1) * BE + tl.arange(0, BE)
         acc = tl.zeros((BT, BE, BH), tl.float32)
@@ -123,8 +122,8 @@ def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
     bt, be, bh = logits_tiles(t)
     out = torch.empty(t, e, dtype=torch.float32, device=x.device)
     _logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be))](
-        x, router_weight, out, t, e, x.stride(0), router_weight.stride(0), out.stride(0),
-        H=h, BT=bt, BE=be, BH=bh, num_warps=4,
+        x, router_weight, out, t, e, h, x.stride(0), router_weight.stride(0), out.stride(0),
+        BT=bt, BE=be, BH=bh, num_warps=4,
     )
     return out
 

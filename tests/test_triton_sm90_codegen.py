@@ -280,8 +280,8 @@ def test_moe_route_and_alignment_kernels_compile(moe):
                  dict(HAS_BIAS=True, NORM=True, K=4, BE=128), ["logits_ptr", "bias_ptr", "ids_ptr", "w_ptr"],
                  num_warps=1)
     compile_sm90(rt._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "T": "i32", "E": "i32",
-                                     "stride_x": "i32", "stride_w": "i32", "stride_o": "i32"},
-                 dict(H=6144, BT=16, BE=1, BH=512), ["x_ptr", "w_ptr", "out_ptr"], num_warps=4)
+                                     "H": "i32", "stride_x": "i32", "stride_w": "i32", "stride_o": "i32"},
+                 dict(BT=16, BE=1, BH=512), ["x_ptr", "w_ptr", "out_ptr"], num_warps=4)
     compile_sm90(al._align_kernel, {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32",
                                     "pair_row_ptr": "*i32", "expert_offset": "i32", "shared_id": "i32"},
                  dict(PAIRS=320, P2=512, N_LOCAL=129, ROUTED=128, NB=256, BM=16, MAX_ROWS=2256, MAX_BLOCKS=141,
