@@ -4,6 +4,8 @@
   (the gloo multi-rank launcher, see tests/multirank.py).
 * Tests marked `gpu` / `multigpu` skip when CUDA (or enough GPUs) is missing.
 * Importing minimax_backend.kernels registers the `minimax::` custom ops once.
+* Under TRITON_INTERPRET=1, older Triton interpreters get the NumPy 2 fix of
+  tests/interpreted.py (fix_old_interpreter_index).
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import minimax_backend.kernels  # noqa: E402,F401  (registers minimax:: ops)
+from interpreted import INTERPRETING, fix_old_interpreter_index  # noqa: E402
+
+if INTERPRETING:
+    fix_old_interpreter_index()
 
 
 def pytest_collection_modifyitems(config, items):

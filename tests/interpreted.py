@@ -36,3 +36,24 @@ def run_this_file_interpreted(test_file: str, *pytest_args: str, timeout: float 
     assert r.returncode == 0, f"interpreter tests failed:\n{tail}"
     assert " passed" in r.stdout and " skipped" in r.stdout  # ran the real tests, skipped the parent's
     print(r.stdout.strip().splitlines()[-1])
+
+
+def fix_old_interpreter_index() -> None:
+    """Triton 3.6's interpreter (the GPU box's Triton) turns a runtime int argument into a
+    one-element array, and its `__index__` (used by `range(0, n, step)` in a kernel) calls
+    int() on it, which NumPy 2 refuses for a 1-D array. Triton 3.9 squeezes it first; give
+    older interpreters the same. Only the interpreter is touched, never a compiled kernel."""
+    try:
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return
+    original = getattr(ti, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_squeezes_index", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor._squeezes_index = True
+    ti._patch_lang_tensor = patch_lang_tensor
