@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-__all__ = ["INTERPRETING", "in_child", "run_this_file_interpreted"]
+__all__ = ["INTERPRETING", "fix_old_interpreter_index", "in_child", "run_this_file_interpreted"]
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 in_child = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 child (test_in_interpreter_child)")
