@@ -153,6 +153,37 @@ def graph_median_ms(fn: Callable[[], Any], calls: int = 10, warmup: int = 3, rep
     return median_ms(graphed(fn, calls), warmup, repeats) / calls
 
 
+def sustained_ms(fn: Callable[[], Any], seconds: float, calls_per_timing: int = 5) -> float:
+    """Median ms of fn() run back to back for `seconds` (after 3 untimed calls), each
+    timing over `calls_per_timing` calls: the rate a card keeps once it has reached its
+    power limit, where a median of single calls measures the first milliseconds of a burst
+    (tools/gpu_power.py). CUDA events on a GPU, the host clock without CUDA."""
+    if seconds <= 0:
+        raise ValueError(f"sustained_ms: seconds must be > 0, got {seconds}")
+    cuda = torch.cuda.is_available()
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end or not times:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls_per_timing):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls_per_timing)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls_per_timing):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / calls_per_timing)
+    return statistics.median(times)
+
+
 def gpu_timeline(events) -> list[dict[str, Any]]:
     """The GPU kernels and copies among torch.profiler events (``prof.events()``), in start
     order: start (us after the first starts), us (duration), stream, name. For a schedule

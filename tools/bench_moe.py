@@ -45,6 +45,7 @@ up to --eager-max-tokens-fp8 tokens to stay within the 5-minute budget.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -128,9 +129,8 @@ def _expert_bytes(args: tuple, fp8: bool) -> tuple[int, int]:
 
 
 def job(rank: int, world: int, args) -> None:
-    from minimax_backend.kernels.moe import block_op_args, flops
-    from minimax_backend.kernels.moe_parallel import mega_moe_reference, shard_rows
-    from minimax_backend.tools.bench_common import copy_bandwidth_gbs, graphed, print_table, write_json
+    from minimax_backend.tools.bench_common import copy_bandwidth_gbs, print_table, write_json
+    from minimax_backend.tools.gpu_power import PowerSampler
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     barrier = dist.barrier if world > 1 else None
@@ -138,78 +138,17 @@ def job(rank: int, world: int, args) -> None:
     group = dist.group.WORLD.group_name if world > 1 else ""
     rows = []
     copy_gbs = copy_bandwidth_gbs(device)  # the memory ceiling, measured in this run
-    for precision in args.precisions:
-        fp8 = precision == "fp8"
-        cfg, blk = build_block(args.preset, rank, world, fp8, device)
-        w_args = block_op_args(blk)
-        torch_experts, torch_weights = torch_grouped_path(w_args, fp8) if _torch_gmm_ok(device, fp8) else (None, None)
-        routed_bytes, shared_bytes = _expert_bytes(w_args, fp8)
-        hidden, inter, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts_per_tok
-        for tokens in args.tokens:
-            gen = torch.Generator(device).manual_seed(tokens)
-            x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
-            t = shard_rows(tokens, world)
-            xpad = torch.nn.functional.pad(x, [0, 0, 0, t * world - tokens])
-            shard = xpad[rank * t:(rank + 1) * t].contiguous()
-            sp = (group, world, world > 1, world > 1, tokens, "allgather")
-            x_in = shard if world > 1 else x
-
-            def ours():
-                return torch.ops.minimax.mega_moe(x_in, *w_args, *sp)
-
-            row = {"precision": precision, "tokens": tokens}
-            with torch.no_grad():
-                eager_out = blk(x)
-                ref = (torch.nn.functional.pad(eager_out, [0, 0, 0, t * world - tokens])[rank * t:(rank + 1) * t]
-                       if world > 1 else eager_out)
-                scale = ref.float().abs().max().clamp(min=1e-6)
-                eager_cap = args.eager_max_tokens_fp8 if fp8 else args.eager_max_tokens
-                row["eager_ms"] = timed(lambda: blk(x)) if tokens <= eager_cap else None
-                row["err_ours"] = ((ours().float() - ref.float()).abs().max() / scale).item()
-                row["ours_ms"] = timed(ours)
-                if world > 1:  # the other exchange (data-dependent sizes: not graph-capturable)
-                    a2a = (*sp[:-1], "alltoall")
-                    row["ours_alltoall_ms"] = timed(lambda: torch.ops.minimax.mega_moe(x_in, *w_args, *a2a))
-                if torch_experts is not None:
-                    def torch_gmm():
-                        return mega_moe_reference(x_in, *w_args, *sp, experts=torch_experts, weights_cls=torch_weights)
-
-                    row["err_torch_gmm"] = ((torch_gmm().float() - ref.float()).abs().max() / scale).item()
-                    row["torch_gmm_ms"] = timed(torch_gmm)
-                if device.type == "cuda" and args.cuda_graph:
-                    row["ours_graph_ms"] = timed(graphed(ours))
-                    if torch_experts is not None:
-                        row["torch_gmm_graph_ms"] = timed(graphed(torch_gmm))
-                # decode floor: the local experts this batch touches (+ the shared slice), read once
-                ids, _ = blk_route(blk, x)
-                first = blk.first_expert
-                touched = len(torch.unique(ids[(ids >= first) & (ids < first + len(blk.experts))]))
-            weight_bytes = touched * routed_bytes + shared_bytes
-            floor_us = weight_bytes / (copy_gbs * 1e3)
-            layer_flops = flops(tokens, hidden, inter, k, cfg.shared_intermediate_size)
-            best = min(v for v in (row["ours_ms"], row.get("ours_graph_ms")) if v)
-            row["flops"] = layer_flops / world
-            row["bytes"] = weight_bytes + 2 * 2 * tokens * hidden  # weights touched + activations in and out
-            row["ours_tflops"] = layer_flops / world / (best * 1e-3) / 1e12
-            row["ours_gbs"] = row["bytes"] / (best * 1e-3) / 1e9
-            rows_total = tokens * k // world + (tokens if cfg.shared_intermediate_size else 0)
-            row["plain_gemm_tflops"] = _plain_gemm_tflops(device, fp8, rows_total, hidden, 2 * inter // world)
-            row["frac_of_gemm"] = row["ours_tflops"] / row["plain_gemm_tflops"]
-            row["floor_us"] = floor_us
-            row["ours_over_floor"] = best * 1e3 / floor_us
-            if row.get("torch_gmm_ms"):
-                theirs = min(v for v in (row["torch_gmm_ms"], row.get("torch_gmm_graph_ms")) if v)
-                row["x_vs_torch_gmm"] = theirs / best
-            if row.get("eager_ms"):
-                row["x_vs_eager"] = row["eager_ms"] / best
-            rows.append(row)
-            if rank == 0:
-                print(f"[bench_moe] {precision} {tokens} tokens: " + ", ".join(
-                    f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                    if k not in ("precision", "tokens")), flush=True)
-        del blk, w_args, torch_experts, torch_weights
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    power = PowerSampler(device.index or 0) if args.sustained else None
+    if power is not None and not power.available and rank == 0:
+        print(f"[bench_moe] --sustained: {power.why}", flush=True)
+    windows = []  # (row, prefix, start, end): SM clock and power filled in once sampling has stopped
+    with power or contextlib.nullcontext():
+        for precision in args.precisions:
+            _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs, power, windows, rows)
+    for row, prefix, start, end in windows:
+        reading = power.reading(start, end)
+        row[f"{prefix}_sm_mhz"] = reading["sm_mhz"] if reading else None
+        row[f"{prefix}_watts"] = reading["watts"] if reading else None
     if rank == 0:
         cols = ["precision", "tokens", "eager_ms", "torch_gmm_ms", "torch_gmm_graph_ms", "ours_ms", "ours_graph_ms",
                 *(["ours_alltoall_ms"] if world > 1 else []),
@@ -217,16 +156,115 @@ def job(rank: int, world: int, args) -> None:
                 "floor_us", "ours_over_floor", "err_ours", "err_torch_gmm"]
         table = print_table(rows, cols, title=f"MoE layer, preset {args.preset}, EP {world} "
                                                f"({'per GPU' if world > 1 else 'one GPU'}), medians of {args.repeats}")
+        if args.sustained:
+            table += "\n" + print_table(rows, SUSTAINED_COLUMNS, title=f"Back to back for {args.sustained:g} s each "
+                                          "(the card at its power limit): median ms, SM clock and board power")
         if args.json:
             write_json(args.json, {"benchmark": "moe_layer", "preset": args.preset, "ep": world,
-                                   "copy_gbs": copy_gbs, "rows": rows, "table": table})
+                                   "copy_gbs": copy_gbs, "sustained_s": args.sustained, "rows": rows, "table": table})
 
 
-def _plain_gemm_tflops(device: torch.device, fp8: bool, m: int, k: int, n: int) -> float:
-    """The rate of ONE plain GEMM with the layer's total rows and K, measured now: torch.mm in BF16,
+SUSTAINED_COLUMNS = ["precision", "tokens", "ours_sustained_ms", "ours_sustained_tflops", "ours_sm_mhz", "ours_watts",
+                     "plain_sustained_tflops", "plain_sm_mhz", "plain_watts", "sustained_frac_of_gemm"]
+
+
+def _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs, power, windows, rows) -> None:
+    """The rows of one precision, appended to `rows`."""
+    from minimax_backend.kernels.moe import block_op_args, flops
+    from minimax_backend.kernels.moe_parallel import mega_moe_reference, shard_rows
+    from minimax_backend.tools.bench_common import graphed, sustained_ms
+
+    fp8 = precision == "fp8"
+    cfg, blk = build_block(args.preset, rank, world, fp8, device)
+    w_args = block_op_args(blk)
+    torch_experts, torch_weights = torch_grouped_path(w_args, fp8) if _torch_gmm_ok(device, fp8) else (None, None)
+    routed_bytes, shared_bytes = _expert_bytes(w_args, fp8)
+    hidden, inter, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts_per_tok
+    for tokens in args.tokens:
+        gen = torch.Generator(device).manual_seed(tokens)
+        x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
+        t = shard_rows(tokens, world)
+        xpad = torch.nn.functional.pad(x, [0, 0, 0, t * world - tokens])
+        shard = xpad[rank * t:(rank + 1) * t].contiguous()
+        sp = (group, world, world > 1, world > 1, tokens, "allgather")
+        x_in = shard if world > 1 else x
+
+        def ours():
+            return torch.ops.minimax.mega_moe(x_in, *w_args, *sp)
+
+        row = {"precision": precision, "tokens": tokens}
+        with torch.no_grad():
+            eager_out = blk(x)
+            ref = (torch.nn.functional.pad(eager_out, [0, 0, 0, t * world - tokens])[rank * t:(rank + 1) * t]
+                   if world > 1 else eager_out)
+            scale = ref.float().abs().max().clamp(min=1e-6)
+            eager_cap = args.eager_max_tokens_fp8 if fp8 else args.eager_max_tokens
+            row["eager_ms"] = timed(lambda: blk(x)) if tokens <= eager_cap else None
+            row["err_ours"] = ((ours().float() - ref.float()).abs().max() / scale).item()
+            row["ours_ms"] = timed(ours)
+            if world > 1:  # the other exchange (data-dependent sizes: not graph-capturable)
+                a2a = (*sp[:-1], "alltoall")
+                row["ours_alltoall_ms"] = timed(lambda: torch.ops.minimax.mega_moe(x_in, *w_args, *a2a))
+            if torch_experts is not None:
+                def torch_gmm():
+                    return mega_moe_reference(x_in, *w_args, *sp, experts=torch_experts, weights_cls=torch_weights)
+
+                row["err_torch_gmm"] = ((torch_gmm().float() - ref.float()).abs().max() / scale).item()
+                row["torch_gmm_ms"] = timed(torch_gmm)
+            ours_graph = None
+            if device.type == "cuda" and args.cuda_graph:
+                ours_graph = graphed(ours)
+                row["ours_graph_ms"] = timed(ours_graph)
+                if torch_experts is not None:
+                    row["torch_gmm_graph_ms"] = timed(graphed(torch_gmm))
+            # decode floor: the local experts this batch touches (+ the shared slice), read once
+            ids, _ = blk_route(blk, x)
+            first = blk.first_expert
+            touched = len(torch.unique(ids[(ids >= first) & (ids < first + len(blk.experts))]))
+        weight_bytes = touched * routed_bytes + shared_bytes
+        floor_us = weight_bytes / (copy_gbs * 1e3)
+        layer_flops = flops(tokens, hidden, inter, k, cfg.shared_intermediate_size)
+        best = min(v for v in (row["ours_ms"], row.get("ours_graph_ms")) if v)
+        row["flops"] = layer_flops / world
+        row["bytes"] = weight_bytes + 2 * 2 * tokens * hidden  # weights touched + activations in and out
+        row["ours_tflops"] = layer_flops / world / (best * 1e-3) / 1e12
+        row["ours_gbs"] = row["bytes"] / (best * 1e-3) / 1e9
+        rows_total = tokens * k // world + (tokens if cfg.shared_intermediate_size else 0)
+        plain, plain_flops = _plain_gemm(device, fp8, rows_total, hidden, 2 * inter // world)
+        row["plain_gemm_tflops"] = _plain_gemm_tflops(device, plain, plain_flops)
+        row["frac_of_gemm"] = row["ours_tflops"] / row["plain_gemm_tflops"]
+        if args.sustained:  # ours and the plain GEMM run back to back, each long enough to reach the power limit
+            for prefix, fn, fl in (("ours", ours_graph or ours, layer_flops / world),
+                                   ("plain", graphed(plain) if device.type == "cuda" else plain, plain_flops)):
+                start = power.now()
+                with torch.no_grad():
+                    ms = sustained_ms(fn, args.sustained)
+                windows.append((row, prefix, start, power.now()))
+                if prefix == "ours":
+                    row["ours_sustained_ms"] = ms
+                row[f"{prefix}_sustained_tflops"] = fl / (ms * 1e-3) / 1e12
+            row["sustained_frac_of_gemm"] = row["ours_sustained_tflops"] / row["plain_sustained_tflops"]
+        row["floor_us"] = floor_us
+        row["ours_over_floor"] = best * 1e3 / floor_us
+        if row.get("torch_gmm_ms"):
+            theirs = min(v for v in (row["torch_gmm_ms"], row.get("torch_gmm_graph_ms")) if v)
+            row["x_vs_torch_gmm"] = theirs / best
+        if row.get("eager_ms"):
+            row["x_vs_eager"] = row["eager_ms"] / best
+        rows.append(row)
+        if rank == 0:
+            print(f"[bench_moe] {precision} {tokens} tokens: " + ", ".join(
+                f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                if k not in ("precision", "tokens")), flush=True)
+    del blk, w_args, torch_experts, torch_weights
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _plain_gemm(device: torch.device, fp8: bool, m: int, k: int, n: int):
+    """ONE plain GEMM with the layer's total rows and K, and its FLOPs: torch.mm in BF16,
     torch._scaled_mm with 1 x 128 / 128 x 128 block scales in FP8 (minimax::fp8_block_gemm)."""
     from minimax_backend.kernels.fp8 import quantize_weight_fp8
-    from minimax_backend.tools.bench_common import graph_median_ms, median_ms
 
     m = max(m, 1)
     a = torch.randn(m, k, device=device).to(torch.bfloat16)
@@ -237,8 +275,15 @@ def _plain_gemm_tflops(device: torch.device, fp8: bool, m: int, k: int, n: int) 
         fn = lambda: torch.ops.minimax.fp8_block_gemm(aq, as_, wq, ws, torch.bfloat16)  # noqa: E731
     else:
         fn = lambda: a @ w.t()  # noqa: E731
+    return fn, 2.0 * m * k * n
+
+
+def _plain_gemm_tflops(device: torch.device, fn, flops: float) -> float:
+    """The plain GEMM's rate now (CUDA-graph replays of 10 calls on a GPU)."""
+    from minimax_backend.tools.bench_common import graph_median_ms, median_ms
+
     ms = graph_median_ms(fn) if device.type == "cuda" else median_ms(fn, warmup=1, repeats=3)
-    return 2.0 * m * k * n / (ms * 1e-3) / 1e12
+    return flops / (ms * 1e-3) / 1e12
 
 
 def blk_route(blk, x):
@@ -265,12 +310,20 @@ def main(argv=None) -> None:
     p.add_argument("--eager-max-tokens", type=int, default=16384)
     p.add_argument("--eager-max-tokens-fp8", type=int, default=4096)
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
+    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                   help="also run ours and the plain GEMM back to back for SECONDS each and report the median ms "
+                        "with the SM clock and board power nvidia-smi reads meanwhile (at prefill sizes the card "
+                        "reaches its power limit and clocks down)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("this benchmark needs CUDA GPUs (--device cpu --preset tiny-m3 for a smoke run)")
+    if args.sustained < 0:
+        raise SystemExit(f"--sustained {args.sustained}: seconds must be >= 0")
     if args.device == "cpu":
+        if args.sustained:
+            raise SystemExit("--sustained measures a GPU at its power limit: it needs --device cuda")
         args.cuda_graph = False
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent boxes
     from minimax_backend.tools.launch import run_on_ranks

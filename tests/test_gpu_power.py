@@ -1,0 +1,112 @@
+"""tools/gpu_power.py (SM clock and power beside a benchmark) and the sustained timing of bench_moe,
+on the CPU: nvidia-smi is replaced by a script that prints samples in its format."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import stat
+
+import pytest
+import torch
+
+from minimax_backend.tools import bench_common, bench_moe, gpu_power
+from minimax_backend.tools.gpu_power import PowerSampler, parse_samples, summarize
+
+T0 = datetime.datetime(2026, 12, 3, 13, 55, 10)
+
+
+def _line(seconds: float, mhz: float, watts: float) -> str:
+    t = T0 + datetime.timedelta(seconds=seconds)
+    return f"{t.strftime('%Y/%m/%d %H:%M:%S')}.{t.microsecond // 1000:03d}, {mhz:g}, {watts:g}\n"
+
+
+def test_parse_samples_keeps_only_well_formed_lines():
+    lines = ["timestamp, clocks.current.sm [MHz], power.draw [W]\n", _line(0, 1980, 80.5),
+             "2026/12/03 13:55:10.050, [N/A], 81\n", "Failed to initialize NVML: Unknown Error\n",
+             _line(0.1, 1455, 694.2), "\n"]
+    samples = parse_samples(lines)
+    assert [(s.sm_mhz, s.watts) for s in samples] == [(1980.0, 80.5), (1455.0, 694.2)]
+    assert samples[1].time == T0 + datetime.timedelta(seconds=0.1)
+
+
+def test_summarize_takes_the_median_inside_the_window():
+    samples = parse_samples([_line(i * 0.05, 1900 if i < 10 else 1450 + i, 400 if i < 10 else 690) for i in range(30)])
+    reading = summarize(samples, T0 + datetime.timedelta(seconds=0.5), T0 + datetime.timedelta(seconds=1.45))
+    assert reading["samples"] == 20
+    assert reading["sm_mhz"] == pytest.approx(1450 + 19.5)  # median of 1460 ... 1479
+    assert reading["watts"] == 690
+    # a window shorter than a few sampling periods gives no reading rather than one sample's
+    assert summarize(samples, T0, T0 + datetime.timedelta(seconds=0.06)) is None
+
+
+def test_sampler_without_nvidia_smi_says_so(monkeypatch):
+    monkeypatch.setattr(gpu_power.shutil, "which", lambda name: None)
+    with PowerSampler() as power:
+        start = power.now()
+    assert not power.available and "nvidia-smi" in power.why
+    assert power.reading(start, power.now()) is None
+
+
+@pytest.fixture
+def fake_nvidia_smi(tmp_path, monkeypatch):
+    """An `nvidia-smi` on PATH that prints a sample every 20 ms (1500 MHz, 690 W) until stopped,
+    and records its arguments."""
+    script = tmp_path / "nvidia-smi"
+    script.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n'
+                      'while true; do date "+%Y/%m/%d %H:%M:%S.%3N, 1500, 690.5"; sleep 0.02; done\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path
+
+
+def test_sampler_reads_a_running_nvidia_smi(fake_nvidia_smi):
+    import time
+
+    with PowerSampler(device_index=3, period_ms=20) as power:
+        time.sleep(0.1)
+        start = power.now()
+        time.sleep(0.3)
+        end = power.now()
+    args = (fake_nvidia_smi / "args").read_text().split()
+    assert "-i" in args and args[args.index("-i") + 1] == "3" and "-lms" in args
+    reading = power.reading(start, end)
+    assert reading is not None and reading["samples"] >= 5
+    assert reading == {"sm_mhz": 1500.0, "watts": 690.5, "samples": reading["samples"]}
+    assert power.reading(end + datetime.timedelta(seconds=5), end + datetime.timedelta(seconds=6)) is None
+
+
+def test_sustained_ms_runs_for_the_time_asked():
+    calls = []
+    ms = bench_common.sustained_ms(lambda: calls.append(1), seconds=0.05, calls_per_timing=5)
+    assert ms > 0 and len(calls) >= 3 + 5 and (len(calls) - 3) % 5 == 0
+    with pytest.raises(ValueError, match="seconds"):
+        bench_common.sustained_ms(lambda: None, seconds=0)
+
+
+def test_bench_moe_sustained_columns(fake_nvidia_smi, monkeypatch):
+    """The job with --sustained: ours and the plain GEMM timed back to back, each row given the
+    clock and power read in its own window."""
+    args = argparse.Namespace(device="cpu", warmup=1, repeats=2, precisions=["bf16"], preset="tiny-m3", tokens=[5],
+                              eager_max_tokens=16, eager_max_tokens_fp8=16, cuda_graph=False, sustained=0.15, json=None)
+    captured = {}
+    real = bench_moe._precision_rows
+
+    def spy(*a):
+        real(*a)
+        captured["rows"] = a[-1]
+
+    monkeypatch.setattr(bench_moe, "_precision_rows", spy)
+    with torch.no_grad():
+        bench_moe.job(0, 1, args)
+    (row,) = captured["rows"]
+    for col in bench_moe.SUSTAINED_COLUMNS[2:]:
+        assert row.get(col) is not None, col
+    assert row["ours_sm_mhz"] == 1500.0 and row["plain_watts"] == 690.5
+    assert row["sustained_frac_of_gemm"] == pytest.approx(row["ours_sustained_tflops"] / row["plain_sustained_tflops"])
+
+
+def test_bench_moe_sustained_needs_a_gpu():
+    with pytest.raises(SystemExit, match="--device cuda"):
+        bench_moe.main(["--device", "cpu", "--preset", "tiny-m3", "--sustained", "1"])

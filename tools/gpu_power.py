@@ -1,0 +1,105 @@
+"""SM clock and board power sampled beside a benchmark (nvidia-smi): is the card at its power limit?
+
+    with PowerSampler(device_index=0) as power:
+        start = power.now()
+        ...                                    # a loop of the work, a few seconds
+        reading = power.reading(start, power.now())   # after the with block: median SM MHz and W
+
+Run back to back for seconds, M3's MoE layer at 4096-16384 tokens and a plain FP8
+GEMM both draw the H200's 700 W and the SM clock drops to 1450-1650 of 1980 MHz
+(docs/measurements/2026-12-03.md, eleventh session). A rate measured there is set by
+energy per FLOP as much as by the kernel's schedule, so the benchmarks report the clock
+and power beside the time. nvidia-smi writes its samples to a file (a pipe would fill
+and stall it on a long run); they are read when the block ends.
+"""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+import statistics
+import subprocess
+import tempfile
+from typing import Iterable, NamedTuple
+
+__all__ = ["PowerSample", "PowerSampler", "parse_samples", "summarize"]
+
+QUERY = "timestamp,clocks.sm,power.draw"
+TIME_FORMAT = "%Y/%m/%d %H:%M:%S.%f"
+MIN_SAMPLES = 3  # fewer in a window: no reading (the window was shorter than a few periods)
+
+
+class PowerSample(NamedTuple):
+    time: datetime.datetime
+    sm_mhz: float
+    watts: float
+
+
+def parse_samples(lines: Iterable[str]) -> list[PowerSample]:
+    """nvidia-smi's `--query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader,nounits`
+    lines; lines that do not parse (a header, "[N/A]", an error message) are left out."""
+    samples = []
+    for line in lines:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 3:
+            continue
+        try:
+            samples.append(PowerSample(datetime.datetime.strptime(parts[0], TIME_FORMAT),
+                                       float(parts[1]), float(parts[2])))
+        except ValueError:
+            continue
+    return samples
+
+
+def summarize(samples: Iterable[PowerSample], start: datetime.datetime, end: datetime.datetime) -> dict | None:
+    """Median SM clock and power of the samples in [start, end], or None with fewer than MIN_SAMPLES."""
+    inside = [s for s in samples if start <= s.time <= end]
+    if len(inside) < MIN_SAMPLES:
+        return None
+    return {"sm_mhz": statistics.median(s.sm_mhz for s in inside),
+            "watts": statistics.median(s.watts for s in inside), "samples": len(inside)}
+
+
+class PowerSampler:
+    """nvidia-smi sampling one GPU every `period_ms` while the block runs. Without nvidia-smi
+    `available` is False, `why` says so, and every reading is None."""
+
+    def __init__(self, device_index: int = 0, period_ms: int = 50):
+        self.device_index, self.period_ms = device_index, period_ms
+        self.available = shutil.which("nvidia-smi") is not None
+        self.why = None if self.available else "nvidia-smi not found: SM clock and power not sampled"
+        self.samples: list[PowerSample] = []
+        self._proc = None
+        self._log = None
+
+    @staticmethod
+    def now() -> datetime.datetime:
+        """The local wall clock, as nvidia-smi stamps its samples."""
+        return datetime.datetime.now()
+
+    def __enter__(self) -> "PowerSampler":
+        if self.available:
+            self._log = tempfile.TemporaryFile(mode="w+")
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-i", str(self.device_index),
+                 "-lms", str(self.period_ms)], stdout=self._log, stderr=subprocess.STDOUT)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._log.seek(0)
+        self.samples = parse_samples(self._log)
+        self._log.close()
+        if not self.samples:
+            self.available, self.why = False, "nvidia-smi gave no samples: SM clock and power not read"
+
+    def reading(self, start: datetime.datetime, end: datetime.datetime) -> dict | None:
+        """Median SM MHz and W between start and end (read after the block has ended)."""
+        return summarize(self.samples, start, end) if self.available else None
