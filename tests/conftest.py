@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import sys
 
 import pytest
@@ -87,3 +88,15 @@ def fake_tp2():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     yield dist.group.WORLD.group_name
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_nvidia_smi(tmp_path, monkeypatch):
+    """An `nvidia-smi` first on PATH (tools/gpu_power.py tests): prints a sample every 20 ms
+    (1500 MHz, 690.5 W) until stopped, and records its arguments."""
+    script = tmp_path / "nvidia-smi"
+    script.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n'
+                      'while true; do date "+%Y/%m/%d %H:%M:%S.%3N, 1500, 690.5"; sleep 0.02; done\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path

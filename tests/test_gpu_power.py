@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import stat
 
 import pytest
 import torch
@@ -47,18 +45,6 @@ def test_sampler_without_nvidia_smi_says_so(monkeypatch):
         start = power.now()
     assert not power.available and "nvidia-smi" in power.why
     assert power.reading(start, power.now()) is None
-
-
-@pytest.fixture
-def fake_nvidia_smi(tmp_path, monkeypatch):
-    """An `nvidia-smi` on PATH that prints a sample every 20 ms (1500 MHz, 690 W) until stopped,
-    and records its arguments."""
-    script = tmp_path / "nvidia-smi"
-    script.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n'
-                      'while true; do date "+%Y/%m/%d %H:%M:%S.%3N, 1500, 690.5"; sleep 0.02; done\n')
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    return tmp_path
 
 
 def test_sampler_reads_a_running_nvidia_smi(fake_nvidia_smi):
@@ -105,8 +91,3 @@ def test_bench_moe_sustained_columns(fake_nvidia_smi, monkeypatch):
         assert row.get(col) is not None, col
     assert row["ours_sm_mhz"] == 1500.0 and row["plain_watts"] == 690.5
     assert row["sustained_frac_of_gemm"] == pytest.approx(row["ours_sustained_tflops"] / row["plain_sustained_tflops"])
-
-
-def test_bench_moe_sustained_needs_a_gpu():
-    with pytest.raises(SystemExit, match="--device cuda"):
-        bench_moe.main(["--device", "cpu", "--preset", "tiny-m3", "--sustained", "1"])

@@ -13,12 +13,16 @@ in a CUDA graph; torch.profiler gives each kernel's time per call, so the
 gate/up and down kernels can be tuned apart. TFLOP/s count the useful
 multiply-adds (the routed pairs and the shared expert's rows, no padding).
 The table tile_config() ships (kernels/moe_triton.py) is chosen from these
-runs: docs/kernel-notes.md#moe-tiles.
+runs: docs/kernel-notes.md#moe-tiles. --sustained SECONDS also runs each config
+back to back with the SM clock and board power beside it: at prefill sizes the
+card sits at its power limit, where a burst's ranking of tiles need not hold
+(docs/kernel-notes.md#moe-at-the-power-limit).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -59,12 +63,15 @@ def variants(tokens: int, top_k: int, num_experts: int, fp8: bool, gate_up: tupl
 
 
 def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.device,
-          gate_up: tuple[str, ...] = (), group_m: tuple[int, ...] = ()) -> list[dict]:
+          gate_up: tuple[str, ...] = (), group_m: tuple[int, ...] = (), sustained: float = 0.0,
+          power=None, windows: list | None = None) -> list[dict]:
     """Rows of timings, one per config x gate_up x group_m; an empty gate_up / group_m:
-    what tile_config's table picks at this size."""
+    what tile_config's table picks at this size. sustained > 0: each config also runs back to
+    back for that many seconds (sustained_us); its window goes to `windows` as (row, start,
+    end) for the SM clock and power of `power` (tools/gpu_power.py)."""
     from minimax_backend.kernels.moe import block_op_args
     from minimax_backend.kernels.moe_triton import grouped_gated_mlp
-    from minimax_backend.tools.bench_common import graphed, kernel_profile, median_ms
+    from minimax_backend.tools.bench_common import graphed, kernel_profile, median_ms, sustained_ms
     from minimax_backend.tools.bench_moe import blk_route
 
     a = block_op_args(blk)
@@ -106,6 +113,12 @@ def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.d
             us = row[f"{kernel}_us"]
             row[f"{kernel}_tflops"] = fl / (us * 1e-6) / 1e12 if us else None
         row["layer_tflops"] = (flops_gate_up + flops_down) / (ms * 1e-3) / 1e12
+        if sustained:  # tiles chosen by a burst can lose once the card sits at its power limit
+            start = power.now()
+            sus = sustained_ms(run, sustained)
+            windows.append((row, start, power.now()))
+            row["sustained_us"] = sus * 1e3
+            row["sustained_layer_tflops"] = (flops_gate_up + flops_down) / (sus * 1e-3) / 1e12
         row["fp8"] = fp8
         rows.append(row)
         print(f"[tune_moe] {'fp8' if fp8 else 'bf16'} {tokens} tokens {c} {product} group_m {group}: "
@@ -133,9 +146,14 @@ def main(argv=None) -> None:
                         "kernels/moe_gluon.py, sm_90 only, at its BLOCK_M 64 tiles)")
     p.add_argument("--preset", default="m3")
     p.add_argument("--calls", type=int, default=3, help="profiled calls per config")
+    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                   help="also run each config back to back for SECONDS and report its time with the SM clock and "
+                        "board power nvidia-smi reads meanwhile (tools/gpu_power.py)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.sustained < 0:
+        raise SystemExit(f"--sustained {args.sustained}: seconds must be >= 0")
     if any(g < 0 for g in args.group_m):
         raise SystemExit("--group-m: 0 (row blocks fastest) or a group size >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -153,26 +171,38 @@ def main(argv=None) -> None:
     from minimax_backend.kernels.options import override_kernel_options
     from minimax_backend.tools.bench_common import print_table, write_json
     from minimax_backend.tools.bench_moe import build_block
+    from minimax_backend.tools.gpu_power import PowerSampler
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    rows = []
-    for precision in args.precisions:
-        fp8 = precision == "fp8"
-        cfg, blk = build_block(args.preset, 0, 1, fp8, device)
-        configs = args.configs or (FP8_CONFIGS if fp8 else BF16_CONFIGS)
-        for tokens in args.tokens:
-            for gemm in args.moe_gemm if fp8 else ["triton"]:
-                with torch.no_grad(), override_kernel_options(moe_gemm=gemm):
-                    rows += [dict(r, precision=precision, moe_gemm=gemm)
-                             for r in sweep(blk, cfg, tokens, configs, args.calls, device, tuple(args.gate_up),
-                                            tuple(args.group_m))]
-        del blk
+    power = PowerSampler(device.index or 0) if args.sustained else None
+    if power is not None and not power.available:
+        print(f"[tune_moe] --sustained: {power.why}", flush=True)
+    rows, windows = [], []
+    with power or contextlib.nullcontext():
+        for precision in args.precisions:
+            fp8 = precision == "fp8"
+            cfg, blk = build_block(args.preset, 0, 1, fp8, device)
+            configs = args.configs or (FP8_CONFIGS if fp8 else BF16_CONFIGS)
+            for tokens in args.tokens:
+                for gemm in args.moe_gemm if fp8 else ["triton"]:
+                    with torch.no_grad(), override_kernel_options(moe_gemm=gemm):
+                        found = sweep(blk, cfg, tokens, configs, args.calls, device, tuple(args.gate_up),
+                                      tuple(args.group_m), args.sustained, power, windows)
+                    for r in found:  # tagged in place: the windows hold these same dicts
+                        r.update(precision=precision, moe_gemm=gemm)
+                    rows += found
+            del blk
+    for row, start, end in windows:
+        reading = power.reading(start, end)
+        row["sm_mhz"], row["watts"] = (reading["sm_mhz"], reading["watts"]) if reading else (None, None)
     ok = [r for r in rows if "error" not in r]
     print_table(ok, ["precision", "moe_gemm", "tokens", "config", "gate_up", "group_m", "call_us", "gate_up_us",
-                     "gate_up_tflops", "down_us", "down_tflops", "rest_us", "layer_tflops"],
+                     "gate_up_tflops", "down_us", "down_tflops", "rest_us", "layer_tflops",
+                     *(["sustained_us", "sustained_layer_tflops", "sm_mhz", "watts"] if args.sustained else [])],
                 title="MoE grouped GEMMs per tile config")
     if args.json:
-        write_json(args.json, {"benchmark": "moe_tiles", "preset": args.preset, "rows": rows})
+        write_json(args.json, {"benchmark": "moe_tiles", "preset": args.preset, "sustained_s": args.sustained,
+                               "rows": rows})
 
 
 if __name__ == "__main__":
