@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 
 import pytest
 import torch
@@ -50,7 +51,7 @@ def test_sampler_without_nvidia_smi_says_so(monkeypatch):
 def test_sampler_reads_a_running_nvidia_smi(fake_nvidia_smi):
     import time
 
-    with PowerSampler(device_index=3, period_ms=20) as power:
+    with PowerSampler(device=3, period_ms=20) as power:
         time.sleep(0.1)
         start = power.now()
         time.sleep(0.3)
@@ -91,3 +92,27 @@ def test_bench_moe_sustained_columns(fake_nvidia_smi, monkeypatch):
         assert row.get(col) is not None, col
     assert row["ours_sm_mhz"] == 1500.0 and row["plain_watts"] == 690.5
     assert row["sustained_frac_of_gemm"] == pytest.approx(row["ours_sustained_tflops"] / row["plain_sustained_tflops"])
+
+
+def test_bench_moe_sustained_is_one_gpu_only():
+    with pytest.raises(SystemExit, match="--gpus 1"):
+        bench_moe.main(["--device", "cpu", "--preset", "tiny-m3", "--gpus", "2", "--sustained", "1"])
+
+
+def test_smi_device_id_on_a_machine_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_power.smi_device_id(2) == "2"
+
+
+def test_sampler_reports_what_a_failing_nvidia_smi_said(tmp_path, monkeypatch):
+    script = tmp_path / "nvidia-smi"
+    script.write_text('#!/bin/sh\necho "No devices were found"\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    import time
+
+    with PowerSampler(device="GPU-0000") as power:
+        start = power.now()
+        time.sleep(0.3)  # a benchmark's block lasts seconds: nvidia-smi has exited by its end
+    assert not power.available and "No devices were found" in power.why and "GPU-0000" in power.why
+    assert power.reading(start, power.now()) is None

@@ -130,7 +130,7 @@ def _expert_bytes(args: tuple, fp8: bool) -> tuple[int, int]:
 
 def job(rank: int, world: int, args) -> None:
     from minimax_backend.tools.bench_common import copy_bandwidth_gbs, print_table, write_json
-    from minimax_backend.tools.gpu_power import PowerSampler
+    from minimax_backend.tools.gpu_power import PowerSampler, smi_device_id
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     barrier = dist.barrier if world > 1 else None
@@ -138,7 +138,7 @@ def job(rank: int, world: int, args) -> None:
     group = dist.group.WORLD.group_name if world > 1 else ""
     rows = []
     copy_gbs = copy_bandwidth_gbs(device)  # the memory ceiling, measured in this run
-    power = PowerSampler(device.index or 0) if args.sustained else None
+    power = PowerSampler(smi_device_id(device.index or 0)) if args.sustained else None
     if power is not None and not power.available and rank == 0:
         print(f"[bench_moe] --sustained: {power.why}", flush=True)
     windows = []  # (row, prefix, start, end): SM clock and power filled in once sampling has stopped
@@ -321,6 +321,9 @@ def main(argv=None) -> None:
         raise SystemExit("this benchmark needs CUDA GPUs (--device cpu --preset tiny-m3 for a smoke run)")
     if args.sustained < 0:
         raise SystemExit(f"--sustained {args.sustained}: seconds must be >= 0")
+    if args.sustained and args.gpus > 1:  # a loop bounded by time would give the ranks different call counts
+        raise SystemExit("--sustained times one GPU: use it with --gpus 1 (at EP > 1 the ranks' collectives "
+                         "need the same number of calls on every rank)")
     if args.device == "cpu":
         if args.sustained:
             print("[bench_moe] --sustained on the CPU: a smoke run (host clock; a CPU has no power limit to reach)")

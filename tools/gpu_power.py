@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from typing import Iterable, NamedTuple
 
-__all__ = ["PowerSample", "PowerSampler", "parse_samples", "summarize"]
+__all__ = ["PowerSample", "PowerSampler", "parse_samples", "smi_device_id", "summarize"]
 
 QUERY = "timestamp,clocks.sm,power.draw"
 TIME_FORMAT = "%Y/%m/%d %H:%M:%S.%f"
@@ -60,12 +60,28 @@ def summarize(samples: Iterable[PowerSample], start: datetime.datetime, end: dat
             "watts": statistics.median(s.watts for s in inside), "samples": len(inside)}
 
 
-class PowerSampler:
-    """nvidia-smi sampling one GPU every `period_ms` while the block runs. Without nvidia-smi
-    `available` is False, `why` says so, and every reading is None."""
+def smi_device_id(cuda_index: int) -> str:
+    """nvidia-smi's name for CUDA device `cuda_index`: its UUID where torch knows it (CUDA's order
+    and CUDA_VISIBLE_DEVICES need not match nvidia-smi's numbering), else the index."""
+    try:
+        import torch
 
-    def __init__(self, device_index: int = 0, period_ms: int = 50):
-        self.device_index, self.period_ms = device_index, period_ms
+        if torch.cuda.is_available():
+            uuid = getattr(torch.cuda.get_device_properties(cuda_index), "uuid", None)
+            if uuid is not None:
+                return f"GPU-{uuid}"
+    except (ImportError, RuntimeError, AssertionError):
+        pass
+    return str(cuda_index)
+
+
+class PowerSampler:
+    """nvidia-smi sampling one GPU every `period_ms` while the block runs (`device`: what
+    nvidia-smi -i takes, e.g. smi_device_id(torch index)). Without nvidia-smi `available` is
+    False, `why` says so, and every reading is None."""
+
+    def __init__(self, device: int | str = 0, period_ms: int = 50):
+        self.device, self.period_ms = str(device), period_ms
         self.available = shutil.which("nvidia-smi") is not None
         self.why = None if self.available else "nvidia-smi not found: SM clock and power not sampled"
         self.samples: list[PowerSample] = []
@@ -81,7 +97,7 @@ class PowerSampler:
         if self.available:
             self._log = tempfile.TemporaryFile(mode="w+")
             self._proc = subprocess.Popen(
-                ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-i", str(self.device_index),
+                ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-i", self.device,
                  "-lms", str(self.period_ms)], stdout=self._log, stderr=subprocess.STDOUT)
         return self
 
@@ -95,10 +111,13 @@ class PowerSampler:
             self._proc.kill()
             self._proc.wait()
         self._log.seek(0)
-        self.samples = parse_samples(self._log)
+        text = self._log.read()
         self._log.close()
+        self.samples = parse_samples(text.splitlines())
         if not self.samples:
-            self.available, self.why = False, "nvidia-smi gave no samples: SM clock and power not read"
+            said = text.strip().splitlines()[0][:200] if text.strip() else "nothing"
+            self.available = False
+            self.why = f"nvidia-smi -i {self.device} gave no samples (it said: {said}): SM clock and power not read"
 
     def reading(self, start: datetime.datetime, end: datetime.datetime) -> dict | None:
         """Median SM MHz and W between start and end (read after the block has ended)."""

@@ -171,10 +171,10 @@ def main(argv=None) -> None:
     from minimax_backend.kernels.options import override_kernel_options
     from minimax_backend.tools.bench_common import print_table, write_json
     from minimax_backend.tools.bench_moe import build_block
-    from minimax_backend.tools.gpu_power import PowerSampler
+    from minimax_backend.tools.gpu_power import PowerSampler, smi_device_id
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    power = PowerSampler(device.index or 0) if args.sustained else None
+    power = PowerSampler(smi_device_id(device.index or 0)) if args.sustained else None
     if power is not None and not power.available:
         print(f"[tune_moe] --sustained: {power.why}", flush=True)
     rows, windows = [], []
