@@ -83,7 +83,10 @@ def _switched(switch: str):
         gate_up, down = _Launches(kt._gate_up_act_kernel), _Launches(kt._down_kernel)
         mp.setattr(kt, "_gate_up_act_kernel", gate_up)
         mp.setattr(kt, "_down_kernel", down)
-        with override_kernel_options(**{name: value}):
+        # The Triton kernels' own switches are checked on the Triton gate/up: pinned, whatever
+        # moe_gemm's default is (auto runs the Gluon gate/up at FP8 prefill sizes on sm_90)
+        pin = {"moe_gemm": "triton"} if name in ("moe_gate_up", "moe_group_m") else {}
+        with override_kernel_options(**{name: value, **pin}):
             yield
     assert grouped, f"{switch}: the ops never reached kernels/moe_triton.py's grouped GEMMs"
     if name == "moe_align":
