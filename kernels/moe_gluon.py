@@ -62,9 +62,15 @@ def _ensure_allocator() -> None:
 if HAVE_GLUON:
 
     @gluon.jit
-    def _tile_of(pid, num_m_blocks, num_n_tiles, GROUP_M: gl.constexpr):
+    def _tile_of(pid, num_m_blocks, num_n_tiles, GROUP_M: gl.constexpr, groups_ptr):
         """(row block, column tile) of program pid: GROUP_M row blocks at a time over every
-        column tile (as moe_triton._tile_of)."""
+        column tile, or (GROUP_M -1) the groups by expert at groups_ptr (as moe_triton._tile_of)."""
+        if GROUP_M < 0:
+            b = pid // num_n_tiles
+            first = gl.load(groups_ptr + 2 * b)
+            size = gl.load(groups_ptr + 2 * b + 1)
+            local = pid - first * num_n_tiles
+            return first + local % size, local // size
         in_group = GROUP_M * num_n_tiles
         first_m = (pid // in_group) * GROUP_M
         size_m = gl.minimum(num_m_blocks - first_m, GROUP_M)
@@ -154,7 +160,7 @@ if HAVE_GLUON:
         """gate_up + act of one [64, 128] tile: warp group 0 the gate product, 1 the up product."""
         BM: gl.constexpr = 64
         BK: gl.constexpr = 128
-        pid_m, pid_n = _tile_of(gl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M)
+        pid_m, pid_n = _tile_of(gl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
         e = gl.load(block_expert + pid_m)
         active = e < n_local
         e = gl.minimum(e, n_local - 1)  # idle blocks run no K step and store nothing
@@ -214,5 +220,5 @@ def gate_up_act(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_t
     n_tiles = n // 128
     _gate_up_ws_kernel[(num_m * n_tiles,)](
         xg, xsg, w_table, ws_table, block_expert, h, hs, rows, n_local, num_m, n_tiles, alpha, limit, beta,
-        N=n, K=k, ACT=act, GROUP_M=max(group_m, 1), num_warps=4, **CONFIG)
+        N=n, K=k, ACT=act, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, **CONFIG)
     return h, hs

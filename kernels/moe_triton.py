@@ -73,6 +73,7 @@ from .fp8 import FP8_DTYPE, quantize_fp8_reference
 from .interpreter import triton_interpreting as _interpreting
 from .moe import mega_moe, moe
 from .moe_align_triton import align_by_expert_triton, align_fits
+from .moe_expert_groups import expert_group_table
 from .moe_parallel import mega_moe_reference
 from .moe_reference import MoEWeights, gated_mlp, local_experts_reference, moe_reference
 from .moe_route_triton import route_fits, route_mode, route_triton
@@ -269,14 +270,22 @@ if HAVE_TRITON:
         return v
 
     @triton.jit
-    def _tile_of(pid, num_m_blocks, num_n_tiles, GROUP_M: tl.constexpr):
+    def _tile_of(pid, num_m_blocks, num_n_tiles, GROUP_M: tl.constexpr, groups_ptr):
         """(row block, column tile) of program pid. GROUP_M 0: row blocks fastest over all of
         them, so the blocks of one expert run together and share its weight tile in L2, but a
         block's activation rows are read again for each column tile, a whole sweep later.
         GROUP_M g: g row blocks at a time, each group's column tiles before the next group's,
-        so the activations of g blocks stay in L2 across the column tiles."""
+        so the activations of g blocks stay in L2 across the column tiles. GROUP_M -1: groups
+        that follow the experts (expert_group_table: each block's group's first block and size
+        at groups_ptr), so an expert's weight tile is read once for all its blocks."""
         if GROUP_M == 0:
             return pid % num_m_blocks, pid // num_m_blocks
+        if GROUP_M < 0:  # a group's programs are [first * num_n_tiles, (first + size) * num_n_tiles)
+            b = pid // num_n_tiles
+            first = tl.load(groups_ptr + 2 * b)
+            size = tl.load(groups_ptr + 2 * b + 1)
+            local = pid - first * num_n_tiles
+            return first + local % size, local // size
         in_group = GROUP_M * num_n_tiles
         first_m = (pid // in_group) * GROUP_M
         size_m = tl.minimum(num_m_blocks - first_m, GROUP_M)
@@ -377,7 +386,7 @@ if HAVE_TRITON:
         UPCAST: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         ONE_DOT: tl.constexpr = False, GROUP_M: tl.constexpr = 0,
     ):
-        pid_m, pid_n = _tile_of(tl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M)
+        pid_m, pid_n = _tile_of(tl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
         e = tl.load(block_expert + pid_m)
         # N_HALF: this expert's intermediate width, N, or N_SHARED for the shared expert (SHARED:
         # the last one; its slice can be narrower); tiles past it have nothing to do
@@ -477,7 +486,7 @@ if HAVE_TRITON:
         # K_SHARED wide (a TP slice can be narrower). The widths are compile-time constants:
         # they are the weights' row strides, and a runtime stride made the weight loads
         # scalar (measured: docs/kernel-notes.md#moe-weight-strides)
-        pid_m, pid_n = _tile_of(tl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M)
+        pid_m, pid_n = _tile_of(tl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
         e = tl.load(block_expert + pid_m)
         if e < n_local:
             rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -547,6 +556,8 @@ def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
         cfg["ONE_DOT"] = opts.moe_gate_up == "one_dot"
     if opts.moe_group_m is not None:
         cfg["GROUP_M"] = opts.moe_group_m
+    if opts.moe_expert_groups is not None:  # groups that follow the experts (kernels/moe_expert_groups.py)
+        cfg["GROUP_M"], cfg["EXPERT_GROUPS"] = -1, opts.moe_expert_groups
     return cfg
 
 
@@ -679,6 +690,12 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     num_m = used_blocks(al, ids.numel())
     rows = num_m * bm
     dev = x.device
+    block_expert = al.block_expert
+    if group_m < 0:  # each block's group (first block, size) after the blocks' experts: _tile_of reads it there
+        if not cfg.get("EXPERT_GROUPS"):
+            raise ValueError("grouped_gated_mlp: GROUP_M -1 (groups by expert) needs EXPERT_GROUPS, the largest group")
+        groups = expert_group_table(al.block_expert, num_m, cfg["EXPERT_GROUPS"]).to(al.block_expert.dtype)
+        block_expert = torch.cat([al.block_expert[:num_m], groups.reshape(-1)])
     if fp8:
         # one Triton kernel on the GPU (bit-equal to the reference, tests/test_norm_quant_gpu.py)
         # instead of the reference's ~10 elementwise kernels: at decode sizes launches dominate
@@ -698,14 +715,14 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         pair = al.sorted_pair[:rows]
         token = torch.where(pair >= 0, pair // k, 0).long()  # padding rows read token 0, never stored
         xg = xq.view(torch.uint8)[token].view(FP8_DTYPE)
-        h, hs = moe_gluon.gate_up_act(xg, xs[token], w13_t, ws13_t, al.block_expert, num_m, n_experts, n,
+        h, hs = moe_gluon.gate_up_act(xg, xs[token], w13_t, ws13_t, block_expert, num_m, n_experts, n,
                                       _ACT[kind], float(alpha), float(limit), float(beta), group_m)
     else:
         h = torch.empty(rows, n_max, dtype=FP8_DTYPE if fp8 else out_dt, device=dev)
         hs = torch.empty(rows, n_max // 128 if fp8 else 1, dtype=torch.float32, device=dev)
         n_tiles = triton.cdiv(n_max, bn)
         _gate_up_act_kernel[(num_m * n_tiles,)](
-            xq, xs, w13_t, ws13_t, al.sorted_pair, al.block_expert, h, hs,
+            xq, xs, w13_t, ws13_t, al.sorted_pair, block_expert, h, hs,
             hidden, n, n_shared, k, n_experts, num_m, n_tiles, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
             float(alpha), float(limit), float(beta), shared is not None,
             ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn,
@@ -716,7 +733,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                                             bm, bn_down, bk, 1 if fp8 else x.element_size())
     n_tiles = triton.cdiv(hidden, bn_down)
     _down_kernel[(num_m * n_tiles,)](
-        h, hs, w2_t, ws2_t, al.sorted_pair, al.block_expert, tw, y,
+        h, hs, w2_t, ws2_t, al.sorted_pair, block_expert, tw, y,
         hidden, n_experts, num_m, n_tiles, h.stride(0), hs.stride(0), y.stride(0),
         K=n, K_SHARED=n_shared, SHARED=shared is not None,
         FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn_down, BK=bk,

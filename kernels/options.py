@@ -23,6 +23,7 @@ environment, so a launcher sets the variables before it starts them.
 | moe_tiles        | MINIMAX_MOE_TILES        | (unset) | BM,BN,BK,warps,stages[,BN_DOWN]  | the grouped GEMMs' tiles instead of tile_config's choice by token count |
 | moe_gate_up      | MINIMAX_MOE_GATE_UP      | auto    | auto, two_dots, one_dot          | the gate/up kernel's product per K step instead of tile_config's choice (auto: one product twice as wide at prefill sizes, two products at decode sizes) |
 | moe_group_m      | MINIMAX_MOE_GROUP_M      | (unset) | a whole number >= 0              | the grouped GEMMs' program order instead of tile_config's choice: 0 = row blocks fastest over all, g = groups of g row blocks, each group's column tiles first |
+| moe_expert_groups | MINIMAX_MOE_EXPERT_GROUPS | (unset) | a whole number >= 1             | the grouped GEMMs' program order by expert: each group one expert's row blocks (at most this many), its column tiles first; overrides moe_group_m (kernels/moe_expert_groups.py) |
 | moe_gemm         | MINIMAX_MOE_GEMM         | triton  | triton, auto, gluon              | the FP8 gate/up GEMM at prefill sizes: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py where the GPU runs it (sm_90), else Triton; gluon = that kernel or an error; triton = the Triton loop |
 | moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~40 torch kernels instead of one Triton program (the default up to 4096 token-expert pairs) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
@@ -55,11 +56,15 @@ docs/kernel-notes.md). Who runs them:
   8-16% faster on the H200: docs/kernel-notes.md#moe-tiles); the interpreter
   and GPU tests of tests/test_moe_triton.py run the values the table does not
   pick, tools/tune_moe.py --gate-up / --group-m sweep them;
+* moe_expert_groups: an order to try (not yet timed on a GPU): the interpreter tests of
+  tests/test_moe_triton.py check that it computes the same bits as the table's order;
 * moe_gemm=auto / gluon: the warp-specialized Gluon gate/up kernel equals the Triton one bit
-  for bit and is faster alone, but the layer with it was not faster on the H200 (the down
-  kernel after it slowed; docs/kernel-notes.md#moe-in-gluon), so triton stays the default.
-  The GPU tests of tests/test_moe_triton.py run it, tools/tune_moe.py --moe-gemm times it,
-  tools/bench_e2e.py --variants minimax-moe-gluon runs the model with it;
+  for bit. On 2026-12-03 the layer with it was 1.6-4.4% faster at 8192-16384 tokens (burst and
+  back to back at the card's power limit) and even end to end at prefill 8192
+  (docs/measurements/2026-12-03.md, eleventh session); triton stays the default until the GPU
+  suite has run with auto as the default. The GPU tests of tests/test_moe_triton.py run it,
+  tools/tune_moe.py --moe-gemm times it, tools/bench_e2e.py --variants minimax-moe-gluon runs
+  the model with it;
 * allreduce_norm=symm_mem: the fused kernel's math runs in the CPU interpreter
   tests (tests/test_allreduce_norm_kernel.py); the symmetric-memory part needs
   several GPUs and has not run yet, so it is not the default.
@@ -110,6 +115,10 @@ class KernelOptions:
         "MINIMAX_MOE_GROUP_M", None, "the grouped GEMMs' program order instead of tile_config's choice: 0 = row "
         "blocks fastest over all, g = groups of g row blocks, each group's column tiles first", kind="order",
         allowed="a whole number >= 0")
+    moe_expert_groups: Optional[int] = _switch(
+        "MINIMAX_MOE_EXPERT_GROUPS", None, "the grouped GEMMs' program order by expert: each group one expert's row "
+        "blocks (at most this many), its column tiles first; overrides moe_group_m (kernels/moe_expert_groups.py)",
+        kind="count", allowed="a whole number >= 1")
     moe_gemm: str = _switch(
         "MINIMAX_MOE_GEMM", "triton", "the FP8 gate/up GEMM at prefill sizes: auto = the warp-specialized Gluon kernel "
         "of kernels/moe_gluon.py where the GPU runs it (sm_90), else Triton; gluon = that kernel or an error; "

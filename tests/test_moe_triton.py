@@ -34,7 +34,7 @@ triton = pytest.importorskip("triton", reason="the Triton MoE path needs triton 
 
 # The non-default MoE kernel switches (kernels/options.py), as option=value.
 OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch", "moe_gate_up=one_dot",
-                  "moe_gate_up=two_dots", "moe_group_m=4", "moe_group_m=0", "moe_gemm=auto"]
+                  "moe_gate_up=two_dots", "moe_group_m=4", "moe_group_m=0", "moe_expert_groups=4", "moe_gemm=auto"]
 
 
 class _Launches:
@@ -85,7 +85,7 @@ def _switched(switch: str):
         mp.setattr(kt, "_down_kernel", down)
         # The Triton kernels' own switches are checked on the Triton gate/up: pinned, whatever
         # moe_gemm's default is (auto runs the Gluon gate/up at FP8 prefill sizes on sm_90)
-        pin = {"moe_gemm": "triton"} if name in ("moe_gate_up", "moe_group_m") else {}
+        pin = {"moe_gemm": "triton"} if name in ("moe_gate_up", "moe_group_m", "moe_expert_groups") else {}
         with override_kernel_options(**{name: value, **pin}):
             yield
     assert grouped, f"{switch}: the ops never reached kernels/moe_triton.py's grouped GEMMs"
@@ -102,6 +102,9 @@ def _switched(switch: str):
     elif name == "moe_group_m":
         launches = gate_up.kwargs + down.kwargs
         assert launches and all(kw["GROUP_M"] == int(value) for kw in launches), switch
+    elif name == "moe_expert_groups":
+        launches = gate_up.kwargs + down.kwargs
+        assert launches and all(kw["GROUP_M"] == -1 for kw in launches), switch
     elif name == "moe_gemm":  # where gluon_fits says yes the Gluon gate/up runs, elsewhere the Triton one
         assert len(gluon) == sum(1 for _, yes in fits if yes), f"{switch}: {len(gluon)} Gluon launches"
 
@@ -319,6 +322,33 @@ def test_idle_and_crowded_experts(interp):
     assert _err(got, R.local_experts_reference(x, ids, tw, w), False) <= 1e-5
 
 
+@pytest.mark.parametrize("case", ["m3_f32", "m3_fp8"])
+def test_programs_grouped_by_expert_compute_the_same_bits(interp, case):
+    """moe_expert_groups (GROUP_M -1, kernels/moe_expert_groups.py) only reorders the programs: every
+    tile is the one the table's orders compute, bit for bit. Expert 6 takes every token (a run of
+    three 16-row blocks, cut by a cap of 2), the second slot spreads over the others, some idle."""
+    make, dtype, fp8, _ = CASES[case]
+    w = R.MoEWeights(*K.block_op_args(_block(make, dtype, fp8)))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 256, generator=g).to(dtype)
+    ids = torch.stack([torch.full((37,), 6), torch.randint(0, 4, (37,), generator=g)], 1)
+    tw = torch.rand(37, 2, generator=g)
+    sc = (w.w13_scale, w.w2_scale) if fp8 else (None, None)
+    base = {"BM": 16, "BN": 128, "BK": 128 if fp8 else 64}
+    outs = {}
+    for order in ({"GROUP_M": 0}, {"GROUP_M": 4}, {"GROUP_M": -1, "EXPERT_GROUPS": 2},
+                  {"GROUP_M": -1, "EXPERT_GROUPS": 8}):
+        outs[str(order)] = interp.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, *sc, 0, "swigluoai", w.alpha, w.limit,
+                                                    w.beta, 8, {**base, **order})
+    first = next(iter(outs.values()))
+    assert _err(first, R.local_experts_reference(x, ids, tw, w), fp8) <= TOL[CASES[case][3]]
+    for name, out in outs.items():
+        assert torch.equal(out, first), name
+    with pytest.raises(ValueError, match="EXPERT_GROUPS"):
+        interp.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, *sc, 0, "swigluoai", w.alpha, w.limit, w.beta, 8,
+                                 {**base, "GROUP_M": -1})
+
+
 def _shared_args(w, width):
     """The shared expert's weights cut to `width` columns (a TP slice, narrower than a routed expert)."""
     n = w.shared_w2.shape[1]
@@ -502,7 +532,7 @@ def test_triton_alignment_refuses_too_many_pairs(interp):
 # route do not depend on the dtype; the shared expert's own launches carry FP8 scales
 @pytest.mark.parametrize("switch, case, tokens", [
     ("moe_align=torch", "m3_bf16", 9), ("moe_shared=separate", "m3_fp8", 5), ("moe_route=torch", "m3_bf16", 9),
-    ("moe_gate_up=one_dot", "m3_bf16", 9), ("moe_group_m=4", "m3_fp8", 5)])
+    ("moe_gate_up=one_dot", "m3_bf16", 9), ("moe_group_m=4", "m3_fp8", 5), ("moe_expert_groups=2", "m3_fp8", 5)])
 def test_gpu_path_with_the_other_switches_equals_eager(interp, case, tokens, switch):
     """The non-default kernel switches (torch sort, shared expert in its own launches, torch route,
     one product per K step and grouped program order at decode sizes), each seen to take its path."""

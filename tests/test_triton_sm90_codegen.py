@@ -174,6 +174,27 @@ def test_moe_tile_table_compiles_without_register_spills(moe, fp8, tokens, tmp_p
     assert max(gate_up.metadata.shared, down.metadata.shared) <= H200_SHARED_BYTES
 
 
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_moe_programs_grouped_by_expert_compile_without_register_spills(moe, fp8, tmp_path):
+    """The kernel option moe_expert_groups (GROUP_M -1: each program's group read from a table) at
+    the prefill tiles: both kernels still compile for sm_90 and keep everything in registers."""
+    from minimax_backend.kernels.options import override_kernel_options
+
+    with override_kernel_options(moe_expert_groups=8):
+        cfg = moe.tile_config(8192, 4, 128, fp8)
+    assert cfg["GROUP_M"] == -1 and cfg["EXPERT_GROUPS"] == 8
+    base = dict(FP8 if fp8 else BF16, BK=cfg["BK"], BM=cfg["BM"])
+    sig_gate_up = GATE_UP_SIG if fp8 else {**GATE_UP_SIG, "x_ptr": "*bf16", "h_ptr": "*bf16"}
+    sig_down = DOWN_SIG if fp8 else {**DOWN_SIG, "h_ptr": "*bf16"}
+    gate_up = compiled_sm90(moe._gate_up_act_kernel, sig_gate_up,
+                            dict(base, K=6144, ACT=0, BN=cfg["BN"], SHARED=False, ONE_DOT=cfg["ONE_DOT"], GROUP_M=-1),
+                            GATE_UP_ALIGNED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    down = compiled_sm90(moe._down_kernel, sig_down, dict(base, K=3072, K_SHARED=0, SHARED=False, BN=cfg["BN_DOWN"],
+                                                          GROUP_M=-1),
+                         DOWN_ALIGNED, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
+    assert local_memory_bytes(gate_up, tmp_path) == 0 and local_memory_bytes(down, tmp_path) == 0
+
+
 def mma_shapes(ptx: str) -> set:
     """The wgmma instruction shapes in the PTX, e.g. {"m64n128k32"}."""
     return set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
@@ -263,12 +284,13 @@ def test_moe_gluon_gate_up_compiles_warp_specialized_without_spills(width, tmp_p
 
     if not mg.HAVE_GLUON:
         pytest.skip(f"triton {triton.__version__} has no Gluon")
-    kernel = compiled_gluon_sm90(mg._gate_up_ws_kernel, GLUON_GATE_UP_SIG,
-                                 dict(N=width, K=2 * width, ACT=0, GROUP_M=4, num_warps=4, **mg.CONFIG), 4)
-    ptx = kernel.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
-    assert kernel.metadata.shared <= H200_SHARED_BYTES
-    assert local_memory_bytes(kernel, tmp_path) == 0
+    for group_m in (4, -1):  # -1: the groups by expert (kernel option moe_expert_groups)
+        kernel = compiled_gluon_sm90(mg._gate_up_ws_kernel, GLUON_GATE_UP_SIG,
+                                     dict(N=width, K=2 * width, ACT=0, GROUP_M=group_m, num_warps=4, **mg.CONFIG), 4)
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
+        assert kernel.metadata.shared <= H200_SHARED_BYTES
+        assert local_memory_bytes(kernel, tmp_path) == 0, group_m
 
 
 def test_moe_route_and_alignment_kernels_compile(moe):

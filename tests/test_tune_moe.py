@@ -65,17 +65,29 @@ def test_tune_moe_refuses_gluon_on_cpu():
         tune_moe.main(["--device", "cpu", "--preset", "tiny-m3", "--tokens", "3", "--moe-gemm", "triton", "gluon"])
 
 
-def test_tune_moe_sustained_columns(tmp_path, fake_nvidia_smi):
+def test_tune_moe_sustained_columns_and_expert_groups(tmp_path, fake_nvidia_smi):
     """--sustained: every config also timed back to back, with the clock and power read beside it
-    (a CPU smoke run: the nvidia-smi on PATH is the test's script, 1500 MHz and 690.5 W)."""
+    (a CPU smoke run: the nvidia-smi on PATH is the test's script, 1500 MHz and 690.5 W); with
+    --expert-groups the groups by expert are run beside the table's order."""
     pytest.importorskip("triton", reason="the kernels need triton")
     out = tmp_path / "tune.json"
     cmd = [sys.executable, "-m", "minimax_backend.tools.tune_moe", "--device", "cpu", "--preset", "tiny-m3",
            "--tokens", "5", "--precisions", "bf16", "--calls", "1", "--configs", "16,128,64,4,2",
-           "--sustained", "0.3", "--json", str(out)]
+           "--expert-groups", "2", "--sustained", "0.3", "--json", str(out)]
     r = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["sustained_us"] > 0 and row["sustained_layer_tflops"] > 0
-    assert (row["sm_mhz"], row["watts"]) == (1500.0, 690.5)
-    assert row["precision"] == "bf16" and "sm_mhz" in r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    # --expert-groups: the table's order (decode size: rows fastest) and the groups by expert
+    assert [row["group_m"] for row in rows] == [0, "expert:2"]
+    for row in rows:
+        assert row["sustained_us"] > 0 and row["sustained_layer_tflops"] > 0
+        assert (row["sm_mhz"], row["watts"]) == (1500.0, 690.5)
+        assert row["precision"] == "bf16"
+    assert "sm_mhz" in r.stdout
+
+
+def test_tune_moe_rejects_an_empty_expert_group():
+    from minimax_backend.tools import tune_moe
+
+    with pytest.raises(SystemExit, match="--expert-groups"):
+        tune_moe.main(["--device", "cpu", "--preset", "tiny-m3", "--tokens", "3", "--expert-groups", "0"])

@@ -58,8 +58,17 @@ def variants(tokens: int, top_k: int, num_experts: int, fp8: bool, gate_up: tupl
     from minimax_backend.kernels.moe_triton import tile_config
 
     table = tile_config(tokens, top_k, num_experts, fp8)
+    table_order = table["GROUP_M"] if table["GROUP_M"] >= 0 else f"expert:{table['EXPERT_GROUPS']}"
     return (tuple(gate_up) or ("one_dot" if table["ONE_DOT"] else "two_dots",),
-            tuple(group_m) or (table["GROUP_M"],))
+            tuple(table_order if g is None else g for g in group_m) or (table_order,))
+
+
+def _order(group) -> dict:
+    """The kernels' GROUP_M (and EXPERT_GROUPS) of one program order: g >= 0 (kernel option
+    moe_group_m) or "expert:g" (moe_expert_groups: groups by expert, at most g row blocks)."""
+    if isinstance(group, str):
+        return {"GROUP_M": -1, "EXPERT_GROUPS": int(group.split(":")[1])}
+    return {"GROUP_M": group}
 
 
 def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.device,
@@ -87,7 +96,7 @@ def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.d
     gate_up, group_m = variants(tokens, k, len(a[2]), fp8, gate_up, group_m)
     rows = []
     for c, product, group in [(c, g, m) for c in configs for g in gate_up for m in group_m]:
-        tiles = dict(_tiles(c, tokens, k, len(a[2]), fp8), ONE_DOT=product == "one_dot", GROUP_M=group)
+        tiles = dict(_tiles(c, tokens, k, len(a[2]), fp8), ONE_DOT=product == "one_dot", **_order(group))
 
         def call():
             return grouped_gated_mlp(x, ids, weights, a[2], a[3], a[4] or None, a[5] or None, a[13], a[14],
@@ -128,6 +137,11 @@ def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.d
     return rows
 
 
+def _orders(args) -> tuple:
+    """The program orders to run: --group-m's (None: the table's) and --expert-groups' ("expert:g")."""
+    return tuple(args.group_m) + tuple(f"expert:{g}" for g in args.expert_groups)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 4096, 16384])
@@ -141,6 +155,9 @@ def main(argv=None) -> None:
                    help="the programs' order (kernel option moe_group_m): 0 = row blocks fastest over all, "
                         "g = groups of g row blocks, each group's column tiles first (default: the tile "
                         "table's pick at each size)")
+    p.add_argument("--expert-groups", type=int, nargs="+", default=[],
+                   help="also the programs in groups by expert (kernel option moe_expert_groups), at most this many "
+                        "row blocks each (kernels/moe_expert_groups.py)")
     p.add_argument("--moe-gemm", nargs="+", choices=["triton", "gluon"], default=["triton"],
                    help="the FP8 gate/up kernel (kernel option moe_gemm; gluon: the warp-specialized kernel of "
                         "kernels/moe_gluon.py, sm_90 only, at its BLOCK_M 64 tiles)")
@@ -156,6 +173,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"--sustained {args.sustained}: seconds must be >= 0")
     if any(g < 0 for g in args.group_m):
         raise SystemExit("--group-m: 0 (row blocks fastest) or a group size >= 1")
+    if any(g < 1 for g in args.expert_groups):
+        raise SystemExit("--expert-groups: the most row blocks in a group, >= 1")
+    if args.expert_groups and not args.group_m:  # the table's order as well, to compare with
+        args.group_m = [None]
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU (use TRITON_INTERPRET=1 with --device cpu --preset tiny-m3 "
                          "for a smoke run)")
@@ -187,7 +208,7 @@ def main(argv=None) -> None:
                 for gemm in args.moe_gemm if fp8 else ["triton"]:
                     with torch.no_grad(), override_kernel_options(moe_gemm=gemm):
                         found = sweep(blk, cfg, tokens, configs, args.calls, device, tuple(args.gate_up),
-                                      tuple(args.group_m), args.sustained, power, windows)
+                                      _orders(args), args.sustained, power, windows)
                     for r in found:  # tagged in place: the windows hold these same dicts
                         r.update(precision=precision, moe_gemm=gemm)
                     rows += found
