@@ -15,7 +15,8 @@ from minimax_backend.kernels.options import KernelOptions, kernel_options, overr
 
 DEFAULTS = {
     "moe_kernel": "triton", "moe_tiles": None, "moe_gate_up": "auto", "moe_group_m": None,
-    "moe_expert_groups": None, "moe_gemm": "triton", "moe_align": "triton", "moe_route": "triton", "moe_shared": "merged",
+    "moe_expert_groups": None, "moe_gemm": "triton", "moe_align": "triton", "moe_route": "triton",
+    "moe_shared": "merged",
     "gemm_rs_fused": True, "gemm_rs_schedule": "auto", "gemm_rs_push": "copy", "gemm_rs_pieces": None,
     "fp8_gemm": "auto", "allreduce_norm": "unfused",
 }
@@ -29,7 +30,8 @@ def test_defaults():
 
 def test_every_variable_is_read():
     env = {"MINIMAX_MOE_KERNEL": "reference", "MINIMAX_MOE_TILES": "64,128,64,4,3", "MINIMAX_MOE_GATE_UP": "one_dot",
-           "MINIMAX_MOE_GROUP_M": "4", "MINIMAX_MOE_EXPERT_GROUPS": "8", "MINIMAX_MOE_GEMM": "gluon", "MINIMAX_MOE_ALIGN": "torch",
+           "MINIMAX_MOE_GROUP_M": "4", "MINIMAX_MOE_EXPERT_GROUPS": "8", "MINIMAX_MOE_GEMM": "gluon",
+           "MINIMAX_MOE_ALIGN": "torch",
            "MINIMAX_MOE_ROUTE": "torch", "MINIMAX_MOE_SHARED": "separate", "MINIMAX_GEMM_RS_FUSED": "0",
            "MINIMAX_GEMM_RS_SCHEDULE": "sum_after", "MINIMAX_GEMM_RS_PUSH": "store", "MINIMAX_GEMM_RS_PIECES": "3",
            "MINIMAX_FP8_GEMM": "scaled_mm", "MINIMAX_ALLREDUCE_NORM": "symm_mem", "MINIMAX_SOMETHING_ELSE": "ignored"}
