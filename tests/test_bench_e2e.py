@@ -58,3 +58,31 @@ def test_a_kernel_variant_runs_every_call_with_its_switch(monkeypatch):
     plain = bench_e2e.make_variant("minimax", object(), tp=1, ep=1)
     plain()
     assert seen == ["gluon", "gluon", kernel_options().moe_gemm] and seen[-1] != "gluon"
+
+
+@pytest.mark.slow
+def test_bench_e2e_sustained_on_one_rank(tmp_path, fake_nvidia_smi):
+    """--sustained: each compiled variant also run back to back, with the SM clock and power read
+    beside it (a CPU smoke run; the nvidia-smi on PATH is the test's script: 1500 MHz, 690.5 W)."""
+    from minimax_backend.tools import bench_e2e
+
+    out = tmp_path / "e2e.json"
+    bench_e2e.main(["--device", "cpu", "--preset", "tiny-m3-fp8", "--prefill", "7", "--decode-batch",
+                    "--variants", "torch-grouped", "minimax", "--repeats", "1", "--warmup", "0",
+                    "--sustained", "0.2", "--json", str(out)])
+    d = json.loads(out.read_text())
+    (row,) = d["rows"]
+    assert d["sustained_s"] == 0.2
+    for v in ("torch-grouped", "minimax"):
+        assert row[f"{v}_sustained_ms"] > 0
+        assert (row[f"{v}_sm_mhz"], row[f"{v}_watts"]) == (1500.0, 690.5)
+    assert "eager_sustained_ms" not in row  # the reference is not a variant under test
+    assert row["minimax_sustained_x_vs_torch-grouped"] == pytest.approx(
+        row["torch-grouped_sustained_ms"] / row["minimax_sustained_ms"])
+
+
+def test_bench_e2e_sustained_is_one_rank_only():
+    from minimax_backend.tools import bench_e2e
+
+    with pytest.raises(SystemExit, match="--tp 1"):
+        bench_e2e.main(["--device", "cpu", "--preset", "tiny-m3", "--tp", "2", "--sustained", "1"])

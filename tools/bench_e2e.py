@@ -47,7 +47,10 @@ issued behind a busy GPU, so only its GPU work and the gaps between its
 kernels count); --profile adds the kernel time and launches per call. Every
 variant's logits are compared with eager's (each token's largest
 |difference| over the largest logit: the worst token, the median one, the 90th
-percentile; argmax agreement). Rank 0 prints one
+percentile; argmax agreement). --sustained SECONDS (one GPU) also runs each
+compiled variant back to back for that long, with the SM clock and board power
+nvidia-smi reads meanwhile (tools/gpu_power.py): a server under load keeps the
+card at its power limit, where a single call's timing does not. Rank 0 prints one
 table per workload kind and writes the JSON after every workload, so a run cut
 short keeps what it measured.
 """
@@ -55,6 +58,7 @@ short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -171,7 +175,9 @@ def job(rank: int, world: int, args) -> None:
     from minimax_backend.model.parallel import ParallelState
     from minimax_backend.model.random_weights import fast_random_weights
     from minimax_backend.tools.bench_common import (call_timeline, host_and_device_ms, idle_gaps,
-                                                    interleaved_median_ms, kernel_profile, top_kernels, write_json)
+                                                    interleaved_median_ms, kernel_profile, sustained_ms, top_kernels,
+                                                    write_json)
+    from minimax_backend.tools.gpu_power import PowerSampler, smi_device_id
     from minimax_backend.tools.run_job import compare_logits, sync_device
 
     for name in ("recompile_limit", "cache_size_limit"):
@@ -215,7 +221,22 @@ def job(rank: int, world: int, args) -> None:
     variants = {name: make_variant(name, model, world, args.ep, baseline_model) for name in args.variants}
     barrier = dist.barrier if dist.is_initialized() else None
     rows, compile_info = [], {}
-    with torch.no_grad():
+    power = PowerSampler(smi_device_id(device.index or 0)) if args.sustained else None
+    if power is not None and not power.available and rank == 0:
+        progress(f"--sustained: {power.why}")
+    windows = []  # (row, variant, start, end): SM clock and power filled in once sampling has stopped
+
+    def payload():
+        return {"benchmark": "e2e", "tp": world, "ep": args.ep, "preset": args.preset,
+                "attention": args.attention, "prefill_logits": args.prefill_logits,
+                "sparse_layers": list(config.sparse_attention_layers),
+                "moe_layers": args.moe_layers, "fp8": not args.bf16, "context": args.context,
+                "dynamo_module_dict_guards": getattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards", None),
+                "repeats": args.repeats, "timing": "interleaved, each timed call after an untimed one of its own",
+                "sustained_s": args.sustained, "variants": list(args.variants), "rows": rows, "floors": floors,
+                "compiles": compile_info}
+
+    with torch.no_grad(), (power or contextlib.nullcontext()):
         for work in _workloads(args):
             label = f"{work['kind']} {work['tokens'] if work['kind'] == 'prefill' else 'batch ' + str(work['batch'])}"
             for m in (model, baseline_model):
@@ -290,21 +311,27 @@ def job(rank: int, world: int, args) -> None:
                 for name in KERNEL_VARIANTS:
                     if name in variants:
                         row[f"{name}_x_vs_torch-grouped"] = row["torch-grouped_ms"] / row[f"{name}_ms"]
+            if args.sustained:  # back to back, as a server under load runs: the card at its power limit
+                for name, call in calls.items():
+                    if name == "eager":
+                        continue
+                    start = power.now()
+                    row[f"{name}_sustained_ms"] = sustained_ms(call, args.sustained)
+                    windows.append((row, name, start, power.now()))
+                if "minimax" in variants and "torch-grouped" in variants:
+                    row["minimax_sustained_x_vs_torch-grouped"] = (row["torch-grouped_sustained_ms"]
+                                                                   / row["minimax_sustained_ms"])
             rows.append(row)
             del reference
             if rank == 0 and args.json:
-                write_json(args.json, {"benchmark": "e2e", "tp": world, "ep": args.ep, "preset": args.preset,
-                                       "attention": args.attention, "prefill_logits": args.prefill_logits,
-                                       "sparse_layers": list(config.sparse_attention_layers),
-                                       "moe_layers": args.moe_layers, "fp8": not args.bf16, "context": args.context,
-                                       "dynamo_module_dict_guards": getattr(
-                                           torch._dynamo.config, "use_recursive_dict_tags_for_guards", None),
-                                       "repeats": args.repeats, "timing": "interleaved, each timed call after an untimed one of its own",
-                                       "variants": list(args.variants), "rows": rows,
-                                       "floors": floors,
-                                       "compiles": compile_info})
+                write_json(args.json, payload())
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    for row, name, start, end in windows:
+        reading = power.reading(start, end)
+        row[f"{name}_sm_mhz"], row[f"{name}_watts"] = (reading["sm_mhz"], reading["watts"]) if reading else (None, None)
+    if rank == 0 and args.json and windows:
+        write_json(args.json, payload())
     if rank == 0:
         _tables(rows, args.variants)
     # leaving the group (and, on GPUs, the process without teardown): tools/launch.py
@@ -357,6 +384,11 @@ def _tables(rows, variants) -> None:
         if len(split_cols) > 1:
             print_table(part, split_cols, title=f"{kind}: host ms per call, device ms (issued behind a busy GPU), "
                                                 "kernel us and launches per call (--profile)")
+        sustained_cols = [key] + [c for c in part[0] if c.endswith(("_sustained_ms", "_sm_mhz", "_watts"))
+                                  or c == "minimax_sustained_x_vs_torch-grouped"]
+        if len(sustained_cols) > 1:
+            print_table(part, sustained_cols, title=f"{kind}: each variant back to back (the card at its power "
+                                                    "limit): median ms, SM clock, board power")
         err_cols = [key] + [c for c in part[0] if c.endswith(tuple("_" + col for col in _NUMERICS.values()))]
         print_table(part, err_cols, title=f"{kind}: logits vs eager (max |diff| per token / largest logit: "
                                           "the worst token, the median token, the 90th percentile; argmax agreement)")
@@ -394,10 +426,18 @@ def main(argv=None) -> None:
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
                    help="also profile CALLS calls of minimax and torch-grouped (and minimax-moe-gluon): their top "
                         "kernels in the JSON and tables, and on a GPU the idle gaps inside one call")
+    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+                   help="also run each compiled variant back to back for SECONDS per workload, with the SM clock "
+                        "and board power nvidia-smi reads meanwhile (one GPU: --tp 1)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("this benchmark needs CUDA GPUs (--device cpu --preset tiny-m3 for a smoke run)")
+    if args.sustained < 0:
+        raise SystemExit(f"--sustained {args.sustained}: seconds must be >= 0")
+    if args.sustained and args.tp > 1:  # a loop bounded by time would give the ranks different call counts
+        raise SystemExit("--sustained times one GPU: use it with --tp 1 (the ranks' collectives need the same "
+                         "number of calls on every rank)")
     if "eager" not in args.variants:
         args.variants = ["eager", *args.variants]  # the numerics reference
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
