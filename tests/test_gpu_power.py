@@ -64,6 +64,25 @@ def test_sampler_reads_a_running_nvidia_smi(fake_nvidia_smi):
     assert power.reading(end + datetime.timedelta(seconds=5), end + datetime.timedelta(seconds=6)) is None
 
 
+def test_windows_fill_their_rows_when_sampling_stops(fake_nvidia_smi, monkeypatch):
+    import time
+
+    rows = [{}, {}]
+    with PowerSampler(device=0, period_ms=20) as power:
+        with power.window(rows[0], "ours_"):
+            time.sleep(0.2)
+        with power.window(rows[1]):
+            pass  # shorter than a few samples: no reading
+        assert rows[0] == {}  # not before the sampling has stopped
+    assert rows[0] == {"ours_sm_mhz": 1500.0, "ours_watts": 690.5}
+    assert rows[1] == {"sm_mhz": None, "watts": None}
+    monkeypatch.setattr(gpu_power.shutil, "which", lambda name: None)
+    row = {}
+    with PowerSampler() as power, power.window(row, "x_"):
+        pass
+    assert row == {"x_sm_mhz": None, "x_watts": None}  # without nvidia-smi: said as None, not left out
+
+
 def test_sustained_ms_runs_for_the_time_asked():
     calls = []
     ms = bench_common.sustained_ms(lambda: calls.append(1), seconds=0.05, calls_per_timing=5)

@@ -224,7 +224,6 @@ def job(rank: int, world: int, args) -> None:
     power = PowerSampler(smi_device_id(device.index or 0)) if args.sustained else None
     if power is not None and not power.available and rank == 0:
         progress(f"--sustained: {power.why}")
-    windows = []  # (row, variant, start, end): SM clock and power filled in once sampling has stopped
 
     def payload():
         return {"benchmark": "e2e", "tp": world, "ep": args.ep, "preset": args.preset,
@@ -236,6 +235,7 @@ def job(rank: int, world: int, args) -> None:
                 "sustained_s": args.sustained, "variants": list(args.variants), "rows": rows, "floors": floors,
                 "compiles": compile_info}
 
+    # the sampler, when it stops, fills in each row's clock and power (PowerSampler.window)
     with torch.no_grad(), (power or contextlib.nullcontext()):
         for work in _workloads(args):
             label = f"{work['kind']} {work['tokens'] if work['kind'] == 'prefill' else 'batch ' + str(work['batch'])}"
@@ -315,9 +315,8 @@ def job(rank: int, world: int, args) -> None:
                 for name, call in calls.items():
                     if name == "eager":
                         continue
-                    start = power.now()
-                    row[f"{name}_sustained_ms"] = sustained_ms(call, args.sustained)
-                    windows.append((row, name, start, power.now()))
+                    with power.window(row, f"{name}_"):
+                        row[f"{name}_sustained_ms"] = sustained_ms(call, args.sustained)
                 if "minimax" in variants and "torch-grouped" in variants:
                     row["minimax_sustained_x_vs_torch-grouped"] = (row["torch-grouped_sustained_ms"]
                                                                    / row["minimax_sustained_ms"])
@@ -327,10 +326,7 @@ def job(rank: int, world: int, args) -> None:
                 write_json(args.json, payload())
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    for row, name, start, end in windows:
-        reading = power.reading(start, end)
-        row[f"{name}_sm_mhz"], row[f"{name}_watts"] = (reading["sm_mhz"], reading["watts"]) if reading else (None, None)
-    if rank == 0 and args.json and windows:
+    if rank == 0 and args.json and args.sustained:  # again, with the clocks and power
         write_json(args.json, payload())
     if rank == 0:
         _tables(rows, args.variants)

@@ -141,14 +141,9 @@ def job(rank: int, world: int, args) -> None:
     power = PowerSampler(smi_device_id(device.index or 0)) if args.sustained else None
     if power is not None and not power.available and rank == 0:
         print(f"[bench_moe] --sustained: {power.why}", flush=True)
-    windows = []  # (row, prefix, start, end): SM clock and power filled in once sampling has stopped
-    with power or contextlib.nullcontext():
+    with power or contextlib.nullcontext():  # fills each row's SM clock and power when it ends
         for precision in args.precisions:
-            _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs, power, windows, rows)
-    for row, prefix, start, end in windows:
-        reading = power.reading(start, end)
-        row[f"{prefix}_sm_mhz"] = reading["sm_mhz"] if reading else None
-        row[f"{prefix}_watts"] = reading["watts"] if reading else None
+            _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs, power, rows)
     if rank == 0:
         cols = ["precision", "tokens", "eager_ms", "torch_gmm_ms", "torch_gmm_graph_ms", "ours_ms", "ours_graph_ms",
                 *(["ours_alltoall_ms"] if world > 1 else []),
@@ -168,7 +163,7 @@ SUSTAINED_COLUMNS = ["precision", "tokens", "ours_sustained_ms", "ours_sustained
                      "plain_sustained_tflops", "plain_sm_mhz", "plain_watts", "sustained_frac_of_gemm"]
 
 
-def _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs, power, windows, rows) -> None:
+def _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs, power, rows) -> None:
     """The rows of one precision, appended to `rows`."""
     from minimax_backend.kernels.moe import block_op_args, flops
     from minimax_backend.kernels.moe_parallel import mega_moe_reference, shard_rows
@@ -236,10 +231,8 @@ def _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs
         if args.sustained:  # ours and the plain GEMM run back to back, each long enough to reach the power limit
             for prefix, fn, fl in (("ours", ours_graph or ours, layer_flops / world),
                                    ("plain", graphed(plain) if device.type == "cuda" else plain, plain_flops)):
-                start = power.now()
-                with torch.no_grad():
+                with torch.no_grad(), power.window(row, f"{prefix}_"):
                     ms = sustained_ms(fn, args.sustained)
-                windows.append((row, prefix, start, power.now()))
                 if prefix == "ours":
                     row["ours_sustained_ms"] = ms
                 row[f"{prefix}_sustained_tflops"] = fl / (ms * 1e-3) / 1e12

@@ -1,9 +1,9 @@
 """SM clock and board power sampled beside a benchmark (nvidia-smi): is the card at its power limit?
 
-    with PowerSampler(device_index=0) as power:
-        start = power.now()
-        ...                                    # a loop of the work, a few seconds
-        reading = power.reading(start, power.now())   # after the with block: median SM MHz and W
+    with PowerSampler(smi_device_id(0)) as power:
+        with power.window(row, "ours_"):       # a loop of the work, a few seconds
+            ...
+    row["ours_sm_mhz"], row["ours_watts"]      # filled when the sampling block ends (None: no reading)
 
 Run back to back for seconds, M3's MoE layer at 4096-16384 tokens and a plain FP8
 GEMM both draw the H200's 700 W and the SM clock drops to 1450-1650 of 1980 MHz
@@ -15,6 +15,7 @@ and stall it on a long run); they are read when the block ends.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import shutil
 import statistics
@@ -85,6 +86,7 @@ class PowerSampler:
         self.available = shutil.which("nvidia-smi") is not None
         self.why = None if self.available else "nvidia-smi not found: SM clock and power not sampled"
         self.samples: list[PowerSample] = []
+        self._windows: list[tuple[dict, str, datetime.datetime, datetime.datetime]] = []
         self._proc = None
         self._log = None
 
@@ -101,7 +103,22 @@ class PowerSampler:
                  "-lms", str(self.period_ms)], stdout=self._log, stderr=subprocess.STDOUT)
         return self
 
+    @contextlib.contextmanager
+    def window(self, row: dict, prefix: str = ""):
+        """The block is one window: when sampling stops, row gets f"{prefix}sm_mhz" and
+        f"{prefix}watts", the medians of its samples (None without a reading)."""
+        start = self.now()
+        yield
+        self._windows.append((row, prefix, start, self.now()))
+
     def __exit__(self, *exc) -> None:
+        self._stop()
+        for row, prefix, start, end in self._windows:
+            reading = self.reading(start, end)
+            row[f"{prefix}sm_mhz"] = reading["sm_mhz"] if reading else None
+            row[f"{prefix}watts"] = reading["watts"] if reading else None
+
+    def _stop(self) -> None:
         if self._proc is None:
             return
         self._proc.terminate()

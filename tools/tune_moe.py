@@ -73,11 +73,11 @@ def _order(group) -> dict:
 
 def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.device,
           gate_up: tuple[str, ...] = (), group_m: tuple[int, ...] = (), sustained: float = 0.0,
-          power=None, windows: list | None = None) -> list[dict]:
+          power=None) -> list[dict]:
     """Rows of timings, one per config x gate_up x group_m; an empty gate_up / group_m:
     what tile_config's table picks at this size. sustained > 0: each config also runs back to
-    back for that many seconds (sustained_us); its window goes to `windows` as (row, start,
-    end) for the SM clock and power of `power` (tools/gpu_power.py)."""
+    back for that many seconds (sustained_us), in a window of `power` (tools/gpu_power.py) that
+    gives the row its SM clock and power when the sampling ends."""
     from minimax_backend.kernels.moe import block_op_args
     from minimax_backend.kernels.moe_triton import grouped_gated_mlp
     from minimax_backend.tools.bench_common import graphed, kernel_profile, median_ms, sustained_ms
@@ -123,9 +123,8 @@ def sweep(blk, cfg, tokens: int, configs: list[str], calls: int, device: torch.d
             row[f"{kernel}_tflops"] = fl / (us * 1e-6) / 1e12 if us else None
         row["layer_tflops"] = (flops_gate_up + flops_down) / (ms * 1e-3) / 1e12
         if sustained:  # tiles chosen by a burst can lose once the card sits at its power limit
-            start = power.now()
-            sus = sustained_ms(run, sustained)
-            windows.append((row, start, power.now()))
+            with power.window(row):
+                sus = sustained_ms(run, sustained)
             row["sustained_us"] = sus * 1e3
             row["sustained_layer_tflops"] = (flops_gate_up + flops_down) / (sus * 1e-3) / 1e12
         row["fp8"] = fp8
@@ -198,8 +197,8 @@ def main(argv=None) -> None:
     power = PowerSampler(smi_device_id(device.index or 0)) if args.sustained else None
     if power is not None and not power.available:
         print(f"[tune_moe] --sustained: {power.why}", flush=True)
-    rows, windows = [], []
-    with power or contextlib.nullcontext():
+    rows = []
+    with power or contextlib.nullcontext():  # fills each row's SM clock and power when it ends
         for precision in args.precisions:
             fp8 = precision == "fp8"
             cfg, blk = build_block(args.preset, 0, 1, fp8, device)
@@ -208,14 +207,11 @@ def main(argv=None) -> None:
                 for gemm in args.moe_gemm if fp8 else ["triton"]:
                     with torch.no_grad(), override_kernel_options(moe_gemm=gemm):
                         found = sweep(blk, cfg, tokens, configs, args.calls, device, tuple(args.gate_up),
-                                      _orders(args), args.sustained, power, windows)
-                    for r in found:  # tagged in place: the windows hold these same dicts
+                                      _orders(args), args.sustained, power)
+                    for r in found:  # tagged in place: the sampler's windows hold these same dicts
                         r.update(precision=precision, moe_gemm=gemm)
                     rows += found
             del blk
-    for row, start, end in windows:
-        reading = power.reading(start, end)
-        row["sm_mhz"], row["watts"] = (reading["sm_mhz"], reading["watts"]) if reading else (None, None)
     ok = [r for r in rows if "error" not in r]
     print_table(ok, ["precision", "moe_gemm", "tokens", "config", "gate_up", "group_m", "call_us", "gate_up_us",
                      "gate_up_tflops", "down_us", "down_tflops", "rest_us", "layer_tflops",
