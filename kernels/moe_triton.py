@@ -562,11 +562,12 @@ def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
 
 
 def _tile_table(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool) -> dict:
-    vals = kernel_options().moe_tiles  # BM, BN, BK, warps, stages[, BN_DOWN] (MINIMAX_MOE_TILES)
+    vals = kernel_options().moe_tiles  # BM, BN, BK, warps, stages[, BN_DOWN[, down warps, down stages]]
     if vals is not None:
         bm, bn, bk, warps, stages = vals[:5]
+        down_warps, down_stages = vals[6:8] if len(vals) == 8 else (warps, stages)
         return {"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages,
-                "BN_DOWN": vals[5] if len(vals) == 6 else bn, "down_warps": warps, "down_stages": stages}
+                "BN_DOWN": vals[5] if len(vals) >= 6 else bn, "down_warps": down_warps, "down_stages": down_stages}
     avg = tokens * top_k / max(num_experts, 1)
     if float32:  # 4-byte tiles: halve K and the pipeline depth to fit the 227 KB of shared memory
         bm = 16 if avg <= 16 else 32 if avg <= 48 else 64 if avg <= 192 else 128

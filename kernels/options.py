@@ -20,7 +20,7 @@ environment, so a launcher sets the variables before it starts them.
 | option           | variable                 | default | values                           | what it does |
 |------------------|--------------------------|---------|----------------------------------|--------------|
 | moe_kernel       | MINIMAX_MOE_KERNEL       | triton  | triton, reference                | reference: the plain-torch experts on CUDA instead of the Triton grouped GEMMs |
-| moe_tiles        | MINIMAX_MOE_TILES        | (unset) | BM,BN,BK,warps,stages[,BN_DOWN]  | the grouped GEMMs' tiles instead of tile_config's choice by token count |
+| moe_tiles        | MINIMAX_MOE_TILES        | (unset) | BM,BN,BK,warps,stages[,BN_DOWN[,down_warps,down_stages]] | the grouped GEMMs' tiles instead of tile_config's choice by token count |
 | moe_gate_up      | MINIMAX_MOE_GATE_UP      | auto    | auto, two_dots, one_dot          | the gate/up kernel's product per K step instead of tile_config's choice (auto: one product twice as wide at prefill sizes, two products at decode sizes) |
 | moe_group_m      | MINIMAX_MOE_GROUP_M      | (unset) | a whole number >= 0              | the grouped GEMMs' program order instead of tile_config's choice: 0 = row blocks fastest over all, g = groups of g row blocks, each group's column tiles first |
 | moe_expert_groups | MINIMAX_MOE_EXPERT_GROUPS | (unset) | a whole number >= 1             | the grouped GEMMs' program order by expert: each group one expert's row blocks (at most this many), its column tiles first; overrides moe_group_m (kernels/moe_expert_groups.py) |
@@ -93,7 +93,8 @@ def _switch(env: str, default, doc: str, choices: Optional[tuple[str, ...]] = No
                                             "allowed": allowed or ", ".join(choices or ())})
 
 
-_TILES_HELP = "expected five or six integers BM,BN,BK,warps,stages[,BN_DOWN] (e.g. 64,128,64,4,3)"
+_TILES_HELP = ("expected five, six or eight integers BM,BN,BK,warps,stages[,BN_DOWN[,down_warps,down_stages]] "
+               "(e.g. 64,128,64,4,3)")
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class KernelOptions:
         choices=("triton", "reference"))
     moe_tiles: Optional[tuple[int, ...]] = _switch(
         "MINIMAX_MOE_TILES", None, "the grouped GEMMs' tiles instead of tile_config's choice by token count",
-        kind="tiles", allowed="BM,BN,BK,warps,stages[,BN_DOWN]")
+        kind="tiles", allowed="BM,BN,BK,warps,stages[,BN_DOWN[,down_warps,down_stages]]")
     moe_gate_up: str = _switch(
         "MINIMAX_MOE_GATE_UP", "auto", "the gate/up kernel's product per K step instead of tile_config's choice "
         "(auto: one product twice as wide at prefill sizes, two products at decode sizes)",
@@ -218,7 +219,7 @@ def _check(f: dataclasses.Field, value):
             vals = tuple(int(v) for v in (value.split(",") if isinstance(value, str) else value))
         except (TypeError, ValueError):
             vals = ()
-        if len(vals) not in (5, 6) or any(v <= 0 for v in vals):
+        if len(vals) not in (5, 6, 8) or any(v <= 0 for v in vals):
             raise ValueError(f"{env}={value!r}: {_TILES_HELP}")
         return vals
     if kind in ("count", "order"):  # a count starts at 1; an order (moe_group_m) at 0

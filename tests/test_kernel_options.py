@@ -47,6 +47,7 @@ def test_every_variable_is_read():
     assert set(opts.changed()) == set(DEFAULTS)
     assert KernelOptions.from_env({"MINIMAX_MOE_TILES": "16,128,128,4,3,64"}).moe_tiles == (16, 128, 128, 4, 3, 64)
     assert KernelOptions.from_env({"MINIMAX_MOE_TILES": ""}).moe_tiles is None  # empty = unset, as before
+    assert KernelOptions.from_env({"MINIMAX_MOE_TILES": "64,128,128,8,4,256,8,3"}).moe_tiles[5:] == (256, 8, 3)
 
 
 @pytest.mark.parametrize("variable, value, valid", [
@@ -63,8 +64,8 @@ def test_every_variable_is_read():
     ("MINIMAX_GEMM_RS_PUSH", "nvlink", "use one of copy, store (default copy)"),
     ("MINIMAX_GEMM_RS_PIECES", "0", "use a whole number >= 1"),
     ("MINIMAX_GEMM_RS_PIECES", "two", "use a whole number >= 1"),
-    ("MINIMAX_MOE_TILES", "64,128", "expected five or six integers BM,BN,BK,warps,stages[,BN_DOWN]"),
-    ("MINIMAX_MOE_TILES", "64,128,64,4,x", "expected five or six integers"),
+    ("MINIMAX_MOE_TILES", "64,128", "expected five, six or eight integers BM,BN,BK,warps,stages[,BN_DOWN[,down_warps,down_stages]]"),
+    ("MINIMAX_MOE_TILES", "64,128,64,4,x", "expected five, six or eight integers"),
     ("MINIMAX_FP8_GEMM", "cublas", "use one of auto, scaled_mm, triton (default auto)"),
 ])
 def test_a_bad_value_names_the_variable_and_the_valid_values(variable, value, valid):
@@ -79,6 +80,8 @@ def test_bad_values_in_the_constructor_and_the_override():
         KernelOptions(gemm_rs_pieces=0)
     with pytest.raises(ValueError, match="MINIMAX_MOE_TILES=\\(1, 2\\)"):
         KernelOptions(moe_tiles=(1, 2))
+    with pytest.raises(ValueError, match="five, six or eight integers"):  # a down warps without its stages
+        KernelOptions(moe_tiles=(64, 128, 128, 8, 4, 256, 8))
     before = kernel_options()
     with pytest.raises(ValueError, match="MINIMAX_GEMM_RS_PUSH='nvlink'"):
         with override_kernel_options(gemm_rs_push="nvlink"):

@@ -166,6 +166,10 @@ def test_kernel_switches_reach_the_moe_kernels():
         assert tile_config(8, 2, 8, True) == {"BM": 16, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 3,
                                               "BN_DOWN": 64, "down_warps": 4, "down_stages": 3, "ONE_DOT": False,
                                               "GROUP_M": 0}
+    with override_kernel_options(moe_tiles="64,128,128,8,4,256,8,3"):  # and the down kernel's warps, stages
+        cfg = tile_config(8192, 4, 128, True)
+        assert (cfg["num_warps"], cfg["num_stages"], cfg["BN_DOWN"], cfg["down_warps"], cfg["down_stages"]) == \
+            (8, 4, 256, 8, 3)
     with override_kernel_options(moe_tiles=(64, 128, 64, 4, 3)):
         assert tile_config(8, 2, 8, False) == {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3,
                                                "BN_DOWN": 128, "down_warps": 4, "down_stages": 3, "ONE_DOT": False,

@@ -6,7 +6,7 @@
 
 The layer is bench_moe's (preset `m3`: 128 experts, top-4, one shared expert,
 random weights and routing from its router). For every token count,
-precision and tile config (BM,BN,BK,warps,stages[,BN_DOWN], as the kernel
+precision and tile config (BM,BN,BK,warps,stages[,BN_DOWN[,down_warps,down_stages]], as the kernel
 option moe_tiles takes it) the experts' grouped GEMMs
 (kernels/moe_triton.py: grouped_gated_mlp with the shared expert merged) run
 in a CUDA graph; torch.profiler gives each kernel's time per call, so the
@@ -34,7 +34,7 @@ BF16_CONFIGS = ["64,128,64,4,3", "64,128,64,4,4", "64,128,64,8,4", "128,128,64,8
 
 def _tiles(config: str, tokens: int, top_k: int, num_experts: int, fp8: bool) -> dict:
     """The launch config of one sweep entry: the kernel option moe_tiles' parsing and checks, and
-    tile_config's dict for it (both kernels with these warps and stages)."""
+    tile_config's dict for it."""
     from minimax_backend.kernels.moe_triton import tile_config
     from minimax_backend.kernels.options import override_kernel_options
 
@@ -145,8 +145,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 4096, 16384])
     p.add_argument("--precisions", nargs="+", choices=["bf16", "fp8"], default=["fp8", "bf16"])
-    p.add_argument("--configs", nargs="+", help="tile configs BM,BN,BK,warps,stages[,BN_DOWN] (default: a sweep "
-                                                 "per precision)")
+    p.add_argument("--configs", nargs="+", help="tile configs BM,BN,BK,warps,stages[,BN_DOWN[,down_warps,down_stages]] "
+                   "(without the last two the down kernel runs with the gate/up's warps and stages; default: a "
+                   "sweep per precision)")
     p.add_argument("--gate-up", nargs="+", choices=["two_dots", "one_dot"], default=[],
                    help="the gate/up kernel's product per K step (kernel option moe_gate_up): each config is "
                         "run with each (default: what the tile table picks at each size)")
