@@ -55,10 +55,10 @@ cp.async and reach about half of a plain GEMM's rate at prefill sizes
 takes gate and up from one product per K step and both kernels run their
 programs in groups of row blocks, so activation rows stay in L2 across
 column tiles (tile_config; the kernel options moe_gate_up / moe_group_m pin
-either way). The kernel option moe_gemm=auto / gluon runs the FP8 gate/up
-GEMM at those tiles as the warp-specialized Gluon kernel of
-kernels/moe_gluon.py on an sm_90 GPU (same bits; faster alone, not faster in the
-whole layer: docs/kernel-notes.md#moe-in-gluon).
+either way). By default (kernel option moe_gemm=auto) the FP8 gate/up GEMM
+at those tiles runs as the warp-specialized Gluon kernel of kernels/moe_gluon.py
+on an sm_90 GPU (same bits; the layer 2-4% faster at 8192-16384 tokens:
+docs/kernel-notes.md#moe-at-the-power-limit); moe_gemm=triton keeps this file's loop.
 """
 
 from __future__ import annotations
@@ -544,7 +544,7 @@ if HAVE_TRITON:
 def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool = False) -> dict:
     """BLOCK_M / N / K, the gate/up kernel's warps and stages, its product per K step
     (ONE_DOT), the down kernel's BLOCK_N, warps and stages, and the programs' order
-    (GROUP_M, both kernels), from the average rows per expert (measured on the H200 by
+    (GROUP_M, and EXPERT_GROUPS where GROUP_M is -1; both kernels), from the average rows per expert (measured on the H200 by
     tools/tune_moe.py at 4096 and 16384 tokens, by tools/profile_moe.py at decode sizes:
     docs/kernel-notes.md#moe-tiles). BLOCK_M is one for both kernels: it is the padding
     of the experts' sorted runs, which the two share. The kernel options moe_tiles,
@@ -556,6 +556,7 @@ def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
         cfg["ONE_DOT"] = opts.moe_gate_up == "one_dot"
     if opts.moe_group_m is not None:
         cfg["GROUP_M"] = opts.moe_group_m
+        cfg.pop("EXPERT_GROUPS", None)
     if opts.moe_expert_groups is not None:  # groups that follow the experts (kernels/moe_expert_groups.py)
         cfg["GROUP_M"], cfg["EXPERT_GROUPS"] = -1, opts.moe_expert_groups
     return cfg
@@ -584,10 +585,12 @@ def _tile_table(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
     # them, and in FP8 the per-K-step scaled product, in registers (4 warps at BLOCK_M 128
     # spill: 3-5x slower). FP8 is fastest at BLOCK_M 64, BF16 at 128. Gate and up from one
     # product per K step and programs in groups of row blocks: 8-16% faster at 4096 and
-    # 16384 tokens than two products in row-block order.
+    # 16384 tokens than two products in row-block order. FP8: the groups follow the experts
+    # (at most 8 row blocks; kernels/moe_expert_groups.py), so each expert's weight tiles
+    # are read from HBM once per layer: 2-4% faster than groups of 4 at 8192-16384 tokens.
     if fp8:
         return {"BM": 64, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 4, "BN_DOWN": 128,
-                "down_warps": 4, "down_stages": 4, "ONE_DOT": True, "GROUP_M": 4}
+                "down_warps": 4, "down_stages": 4, "ONE_DOT": True, "GROUP_M": -1, "EXPERT_GROUPS": 8}
     return {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "BN_DOWN": 128,
             "down_warps": 4, "down_stages": 3, "ONE_DOT": True, "GROUP_M": 8}
 

@@ -24,7 +24,7 @@ environment, so a launcher sets the variables before it starts them.
 | moe_gate_up      | MINIMAX_MOE_GATE_UP      | auto    | auto, two_dots, one_dot          | the gate/up kernel's product per K step instead of tile_config's choice (auto: one product twice as wide at prefill sizes, two products at decode sizes) |
 | moe_group_m      | MINIMAX_MOE_GROUP_M      | (unset) | a whole number >= 0              | the grouped GEMMs' program order instead of tile_config's choice: 0 = row blocks fastest over all, g = groups of g row blocks, each group's column tiles first |
 | moe_expert_groups | MINIMAX_MOE_EXPERT_GROUPS | (unset) | a whole number >= 1             | the grouped GEMMs' program order by expert: each group one expert's row blocks (at most this many), its column tiles first; overrides moe_group_m (kernels/moe_expert_groups.py) |
-| moe_gemm         | MINIMAX_MOE_GEMM         | triton  | triton, auto, gluon              | the FP8 gate/up GEMM at prefill sizes: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py where the GPU runs it (sm_90), else Triton; gluon = that kernel or an error; triton = the Triton loop |
+| moe_gemm         | MINIMAX_MOE_GEMM         | auto    | auto, triton, gluon              | the FP8 gate/up GEMM at prefill sizes: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py where the GPU runs it (sm_90), else Triton; gluon = that kernel or an error; triton = the Triton loop |
 | moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~40 torch kernels instead of one Triton program (the default up to 4096 token-expert pairs) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
 | moe_shared       | MINIMAX_MOE_SHARED       | merged  | merged, separate                 | separate: the shared expert in its own launches instead of inside the routed ones |
@@ -58,13 +58,14 @@ docs/kernel-notes.md). Who runs them:
   pick, tools/tune_moe.py --gate-up / --group-m sweep them;
 * moe_expert_groups: an order to try (not yet timed on a GPU): the interpreter tests of
   tests/test_moe_triton.py check that it computes the same bits as the table's order;
-* moe_gemm=auto / gluon: the warp-specialized Gluon gate/up kernel equals the Triton one bit
-  for bit. On 2026-12-03 the layer with it was 1.6-4.4% faster at 8192-16384 tokens (burst and
-  back to back at the card's power limit) and even end to end at prefill 8192
-  (docs/measurements/2026-12-03.md, eleventh session); triton stays the default until the GPU
-  suite has run with auto as the default. The GPU tests of tests/test_moe_triton.py run it,
-  tools/tune_moe.py --moe-gemm times it, tools/bench_e2e.py --variants minimax-moe-gluon runs
-  the model with it;
+* moe_gemm: auto (the default since 2026-12-03, twelfth session) runs the warp-specialized
+  Gluon gate/up kernel on sm_90, which equals the Triton one bit for bit; the layer with it was
+  1.6-4.4% faster at 8192-16384 tokens (burst and back to back at the card's power limit) and
+  even end to end at prefill 8192 (docs/measurements/2026-12-03.md, eleventh session), and the
+  GPU suite passed with it as the default (twelfth session). triton is the loop it replaced;
+  gluon makes a GPU without it an error. The GPU tests of tests/test_moe_triton.py run all
+  three, tools/tune_moe.py --moe-gemm times them, tools/bench_e2e.py --variants
+  minimax-moe-triton / minimax-moe-gluon run the model with them;
 * allreduce_norm=symm_mem: the fused kernel's math runs in the CPU interpreter
   tests (tests/test_allreduce_norm_kernel.py); the symmetric-memory part needs
   several GPUs and has not run yet, so it is not the default.
@@ -121,9 +122,9 @@ class KernelOptions:
         "blocks (at most this many), its column tiles first; overrides moe_group_m (kernels/moe_expert_groups.py)",
         kind="count", allowed="a whole number >= 1")
     moe_gemm: str = _switch(
-        "MINIMAX_MOE_GEMM", "triton", "the FP8 gate/up GEMM at prefill sizes: auto = the warp-specialized Gluon kernel "
+        "MINIMAX_MOE_GEMM", "auto", "the FP8 gate/up GEMM at prefill sizes: auto = the warp-specialized Gluon kernel "
         "of kernels/moe_gluon.py where the GPU runs it (sm_90), else Triton; gluon = that kernel or an error; "
-        "triton = the Triton loop", choices=("triton", "auto", "gluon"))
+        "triton = the Triton loop", choices=("auto", "triton", "gluon"))
     moe_align: str = _switch(
         "MINIMAX_MOE_ALIGN", "triton", "torch: the experts' sorted layout from ~40 torch kernels instead of one "
         "Triton program", choices=("triton", "torch"))

@@ -15,7 +15,7 @@ from minimax_backend.kernels.options import KernelOptions, kernel_options, overr
 
 DEFAULTS = {
     "moe_kernel": "triton", "moe_tiles": None, "moe_gate_up": "auto", "moe_group_m": None,
-    "moe_expert_groups": None, "moe_gemm": "triton", "moe_align": "triton", "moe_route": "triton",
+    "moe_expert_groups": None, "moe_gemm": "auto", "moe_align": "triton", "moe_route": "triton",
     "moe_shared": "merged",
     "gemm_rs_fused": True, "gemm_rs_schedule": "auto", "gemm_rs_push": "copy", "gemm_rs_pieces": None,
     "fp8_gemm": "auto", "allreduce_norm": "unfused",

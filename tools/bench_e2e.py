@@ -20,8 +20,10 @@ values: the attention cost does not depend on them). Variants:
                    (cudagraph_copy_outputs off), as the baseline's graphs do
   minimax-no-X     the same with X off (moe = no MoE rewrite at all, sp, normquant,
                    gemmrs, megamoe, cudagraphs)
-  minimax-moe-gluon  ours with kernel option moe_gemm=gluon (the warp-specialized
-                   Gluon gate/up GEMM at FP8 prefill sizes; an error without sm_90)
+  minimax-moe-triton  ours with kernel option moe_gemm=triton (the Triton gate/up
+                   loop instead of the default's warp-specialized Gluon kernel on sm_90)
+  minimax-moe-gluon  ours with kernel option moe_gemm=gluon (the Gluon gate/up GEMM
+                   at FP8 prefill sizes required: an error without sm_90)
   eager            the plain model as written (the numerics reference)
   inductor         torch.compile(plain model); reduce-overhead: with CUDA graphs.
                    Under tracing the plain model's MoE runs every local expert on
@@ -75,6 +77,7 @@ ABLATIONS = {
 }
 # Our compile with a kernel switch changed (kernels/options.py) for every call, the captures included
 KERNEL_VARIANTS = {
+    "minimax-moe-triton": {"moe_gemm": "triton"},
     "minimax-moe-gluon": {"moe_gemm": "gluon"},
 }
 VARIANTS = ("eager", "torch-grouped", "inductor", "reduce-overhead", "minimax", *ABLATIONS, *KERNEL_VARIANTS)
@@ -420,8 +423,9 @@ def main(argv=None) -> None:
     p.add_argument("--preset", default="m3-slice", help="model shape (tiny-m3 for a CPU smoke run)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--profile", type=int, default=0, metavar="CALLS",
-                   help="also profile CALLS calls of minimax and torch-grouped (and minimax-moe-gluon): their top "
-                        "kernels in the JSON and tables, and on a GPU the idle gaps inside one call")
+                   help="also profile CALLS calls of minimax and torch-grouped (and of the kernel variants "
+                        "minimax-moe-*): their top kernels in the JSON and tables, and on a GPU the idle gaps "
+                        "inside one call")
     p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
                    help="also run each compiled variant back to back for SECONDS per workload, with the SM clock "
                         "and board power nvidia-smi reads meanwhile (one GPU: --tp 1)")
