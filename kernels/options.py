@@ -56,8 +56,11 @@ docs/kernel-notes.md). Who runs them:
   8-16% faster on the H200: docs/kernel-notes.md#moe-tiles); the interpreter
   and GPU tests of tests/test_moe_triton.py run the values the table does not
   pick, tools/tune_moe.py --gate-up / --group-m sweep them;
-* moe_expert_groups: an order to try (not yet timed on a GPU): the interpreter tests of
-  tests/test_moe_triton.py check that it computes the same bits as the table's order;
+* moe_expert_groups: pins the cap of the order by expert, which tile_config's table picks
+  for FP8 at prefill sizes (at most 8 blocks; 1-4% faster than groups of 4 back to back on the
+  H200: docs/kernel-notes.md#moe-at-the-power-limit), and sets it where the table does not; the
+  interpreter tests of tests/test_moe_triton.py check that it computes the same bits as the
+  other orders, tools/tune_moe.py --expert-groups sweeps it;
 * moe_gemm: auto (the default since 2026-12-03, twelfth session) runs the warp-specialized
   Gluon gate/up kernel on sm_90, which equals the Triton one bit for bit; the layer with it was
   1.6-4.4% faster at 8192-16384 tokens (burst and back to back at the card's power limit) and
