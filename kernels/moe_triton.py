@@ -75,6 +75,7 @@ from .moe import mega_moe, moe
 from .moe_align_triton import align_by_expert_triton, align_fits
 from .moe_expert_groups import expert_group_table
 from .moe_parallel import mega_moe_reference
+from .moe_quant_scatter import quantize_scatter_fp8
 from .moe_reference import MoEWeights, gated_mlp, local_experts_reference, moe_reference
 from .moe_route_triton import route_fits, route_mode, route_triton
 from .norm_quant_triton import quantize_fp8_triton
@@ -700,11 +701,17 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             raise ValueError("grouped_gated_mlp: GROUP_M -1 (groups by expert) needs EXPERT_GROUPS, the largest group")
         groups = expert_group_table(al.block_expert, num_m, cfg["EXPERT_GROUPS"]).to(al.block_expert.dtype)
         block_expert = torch.cat([al.block_expert[:num_m], groups.reshape(-1)])
-    if fp8:
+    gluon = fp8 and gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared)
+    if gluon:
+        # Hopper, FP8 prefill: the warp-specialized Gluon gate/up kernel (kernels/moe_gluon.py) loads
+        # whole tiles by TMA, which cannot gather rows: x quantized straight into the sorted order
+        xq, xs = quantize_scatter_fp8(x, al.pair_row, al.sorted_pair, rows, k)
+    elif fp8:
         # one Triton kernel on the GPU (bit-equal to the reference, tests/test_norm_quant_gpu.py)
         # instead of the reference's ~10 elementwise kernels: at decode sizes launches dominate
         on_gpu = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
         xq, xs = quantize_fp8_triton(x, 128) if on_gpu else quantize_fp8_reference(x, 128)
+    if fp8:
         w13_t, ws13_t = _table(w13), _table(w13_scale, aligned=False)
         w2_t, ws2_t = _table(w2), _table(w2_scale, aligned=False)
     else:
@@ -713,13 +720,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w13_t = ws13_t = _table(w13)
         w2_t = ws2_t = _table(w2)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
-    if fp8 and gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared):
-        # Hopper, FP8 prefill: the warp-specialized Gluon gate/up kernel (kernels/moe_gluon.py) on
-        # the activation rows gathered into sorted order (TMA loads whole tiles, it cannot gather)
-        pair = al.sorted_pair[:rows]
-        token = torch.where(pair >= 0, pair // k, 0).long()  # padding rows read token 0, never stored
-        xg = xq.view(torch.uint8)[token].view(FP8_DTYPE)
-        h, hs = moe_gluon.gate_up_act(xg, xs[token], w13_t, ws13_t, block_expert, num_m, n_experts, n,
+    if gluon:
+        h, hs = moe_gluon.gate_up_act(xq, xs, w13_t, ws13_t, block_expert, num_m, n_experts, n,
                                       _ACT[kind], float(alpha), float(limit), float(beta), group_m)
     else:
         h = torch.empty(rows, n_max, dtype=FP8_DTYPE if fp8 else out_dt, device=dev)

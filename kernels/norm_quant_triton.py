@@ -141,6 +141,19 @@ if HAVE_TRITON:
         return h
 
     @triton.jit
+    def quant_groups(y):
+        """The 1 x G quantization of an [NG, G] float32 tile: (q, clamped to the FP8 range, still
+        float32; scale [NG]). One power-of-two scale per group, 2 ** ceil(log2(amax / 448)),
+        from the exponent bits. Shared with kernels/moe_quant_scatter.py, which must match it."""
+        amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-30)  # [NG]
+        v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        vb = v.to(tl.int32, bitcast=True)
+        e = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the scale
+        scale = (e << 23).to(tl.float32, bitcast=True)
+        inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
+        return tl.minimum(tl.maximum(y * inv[:, None], -448.0), 448.0), scale
+
+    @triton.jit
     def _norm_quant_tile(h, rstd, w, q_ptr, s_ptr, y_ptr, row, M, stride_q, stride_s, stride_y, col, cmask,
                          g0, n_groups, NG: tl.constexpr, GEMMA: tl.constexpr, WANT_Y: tl.constexpr,
                          ROUND_BF16: tl.constexpr, NORM: tl.constexpr, QUANT: tl.constexpr):
@@ -163,14 +176,7 @@ if HAVE_TRITON:
         if WANT_Y:
             tl.store(y_ptr + row64 * stride_y + col, y.to(y_ptr.dtype.element_ty), mask=mask)
         if QUANT:
-            # One power-of-two scale per group: 2 ** ceil(log2(amax / 448)) from the exponent bits.
-            amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-30)  # [NG]
-            v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-            vb = v.to(tl.int32, bitcast=True)
-            e = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)  # biased exponent of the scale
-            scale = (e << 23).to(tl.float32, bitcast=True)
-            inv = ((254 - e) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
-            q = tl.minimum(tl.maximum(y * inv[:, None], -448.0), 448.0)
+            q, scale = quant_groups(y)
             tl.store(q_ptr + row64 * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=mask)
             g1 = g0 + tl.arange(0, NG)
             tl.store(s_ptr + row64 * stride_s + g1, scale, mask=(g1 < n_groups) & ((g1 * 0 + row) < M))

@@ -343,6 +343,20 @@ def test_quantize_only_kernel_compiles():
     assert byte_loads(ptx) == 0
 
 
+def test_moe_quantize_scatter_kernel_compiles_with_vector_stores():
+    """kernels/moe_quant_scatter.py: the FP8 rows stored as vectors (a byte-wise store would undo the
+    point of replacing the byte-wise torch gather)."""
+    from minimax_backend.kernels import moe_quant_scatter as mqs
+
+    sig = {"x_ptr": "*bf16", "pair_row": "*i32", "sorted_pair": "*i32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+           "T": "i32", "rows": "i32", "n_groups": "i32", "stride_x": "i32", "stride_q": "i32", "stride_s": "i32"}
+    consts = dict(SLOTS=5, G=mqs.GROUP, NG=mqs.CHUNK_GROUPS, ZR=mqs.ZERO_ROWS, ZC=mqs.ZERO_COLUMNS)
+    ptx, _ = compile_sm90(mqs._quantize_scatter_kernel, sig, consts,
+                          ["x_ptr", "pair_row", "sorted_pair", "q_ptr", "s_ptr", "stride_x", "stride_q"], num_warps=4)
+    assert byte_loads(ptx) == 0
+    assert re.search(r"st\.global[^;\n]*\.v[24]", ptx), "FP8 rows are not stored as vectors"
+
+
 @pytest.mark.parametrize("m", [16, 4096])
 def test_fp8_block_gemm_fallback_kernel_compiles(m):
     """The Triton FP8 block GEMM (fallback where torch._scaled_mm blockwise is unavailable), o_proj at TP 2."""

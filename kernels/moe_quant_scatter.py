@@ -1,0 +1,104 @@
+"""The MoE's FP8 activations straight into the experts' sorted order: quantize once, store k times.
+
+    xg, xsg = quantize_scatter_fp8(x, pair_row, sorted_pair, rows, slots)
+
+The warp-specialized gate/up kernel (kernels/moe_gluon.py) loads its activation tiles by TMA,
+which cannot gather rows on Hopper, so its input must already be in the experts' sorted layout
+(each expert's rows padded to BLOCK_M). Quantizing x and then gathering its FP8 rows with torch
+indexing moved the rows twice and gathered them a byte per thread: 200-400 us per layer call at
+8192-16384 tokens on the H200 (docs/kernel-notes.md#moe-at-the-power-limit). Here one program
+per token quantizes its row (the math of norm_quant_triton.quant_groups, so the FP8 data and
+scales equal quantize_fp8_triton's bit for bit) and stores it at the sorted row of each of the
+token's pairs (pair_row; -1 = an expert on another rank, skipped); one program per row block
+zeroes the block's padding rows (sorted_pair -1), so the GEMM reads zeros there, never stale
+memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fp8 import FP8_DTYPE
+
+try:  # optional: CPU installs without Triton never take the Gluon path that needs this
+    import triton
+    import triton.language as tl
+
+    from .norm_quant_triton import quant_groups
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover
+    HAVE_TRITON = False
+
+__all__ = ["quantize_scatter_fp8"]
+
+GROUP = 128  # the 1 x 128 activation quantization group
+CHUNK_GROUPS = 16  # groups per tile: 2048 values, three tiles for M3's 6144-wide rows
+ZERO_ROWS = 64  # sorted rows per zeroing program (the Gluon kernel's BLOCK_M)
+ZERO_COLUMNS = 512  # FP8 columns per zeroing store
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _quantize_scatter_kernel(x_ptr, pair_row, sorted_pair, q_ptr, s_ptr, T, rows, n_groups,
+                                 stride_x, stride_q, stride_s,
+                                 SLOTS: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, ZR: tl.constexpr,
+                                 ZC: tl.constexpr):
+        pid = tl.program_id(0)
+        if pid < T:  # a token: its row quantized once, stored at each pair's sorted row
+            token = pid.to(tl.int64)
+            for g0 in range(0, n_groups, NG):
+                col = (g0 + tl.arange(0, NG))[:, None] * G + tl.arange(0, G)[None, :]
+                cmask = col < n_groups * G
+                y = tl.load(x_ptr + token * stride_x + col, mask=cmask, other=0.0).to(tl.float32)
+                q, scale = quant_groups(y)
+                q = q.to(q_ptr.dtype.element_ty)
+                g = g0 + tl.arange(0, NG)
+                for j in tl.static_range(SLOTS):
+                    r = tl.load(pair_row + token * SLOTS + j).to(tl.int64)
+                    ok = (col * 0 + r) >= 0  # the interpreter rejects a scalar & tile mask
+                    tl.store(q_ptr + r * stride_q + col, q, mask=cmask & ok)
+                    tl.store(s_ptr + r * stride_s + g, scale, mask=(g < n_groups) & ((g * 0 + r) >= 0))
+        else:  # a block of sorted rows: zeros in its padding rows
+            r = (pid - T) * ZR + tl.arange(0, ZR)
+            pad = (tl.load(sorted_pair + r, mask=r < rows, other=0) < 0) & (r < rows)
+            if tl.max(pad.to(tl.int32), axis=0) > 0:
+                r64 = r.to(tl.int64)
+                zeros = tl.zeros((ZR, ZC), tl.float32).to(q_ptr.dtype.element_ty)
+                for c0 in range(0, n_groups * G, ZC):
+                    cols = c0 + tl.arange(0, ZC)
+                    tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], zeros,
+                             mask=pad[:, None] & (cols[None, :] < n_groups * G))
+                for g0 in range(0, n_groups, ZC // G):
+                    g = g0 + tl.arange(0, ZC // G)
+                    tl.store(s_ptr + r64[:, None] * stride_s + g[None, :], tl.zeros((ZR, ZC // G), tl.float32),
+                             mask=pad[:, None] & (g[None, :] < n_groups))
+
+
+def _outputs(rows: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized: the kernel writes every row (tests swap in garbage-filled ones to show it)."""
+    return (torch.empty(rows, k, dtype=FP8_DTYPE, device=device),
+            torch.empty(rows, k // GROUP, dtype=torch.float32, device=device))
+
+
+def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: torch.Tensor, rows: int,
+                         slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (bf16 / fp16, K a multiple of 128) -> (xg [rows, K] FP8, xsg [rows, K / 128] float32):
+    token t's quantized row at sorted row pair_row[t * slots + j] for each slot j (skipped where -1),
+    zeros where sorted_pair[:rows] is -1 (padding)."""
+    t, k = x.shape
+    if k % GROUP:
+        raise ValueError(f"quantize_scatter_fp8: width {k} is not a multiple of {GROUP}")
+    if pair_row.numel() != t * slots:
+        raise ValueError(f"quantize_scatter_fp8: {pair_row.numel()} pair rows for {t} tokens x {slots} slots")
+    if sorted_pair.numel() < rows:
+        raise ValueError(f"quantize_scatter_fp8: {rows} rows asked of {sorted_pair.numel()} sorted rows")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    xg, xsg = _outputs(rows, k, x.device)
+    if t + rows == 0:
+        return xg, xsg
+    _quantize_scatter_kernel[(t + triton.cdiv(rows, ZERO_ROWS),)](
+        x, pair_row, sorted_pair, xg, xsg, t, rows, k // GROUP, x.stride(0), xg.stride(0), xsg.stride(0),
+        SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS, num_warps=4)
+    return xg, xsg
