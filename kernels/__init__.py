@@ -14,12 +14,27 @@ Imports only ever go GPU module -> op module, never back.
 """
 
 if __name__ != "minimax_backend.kernels":
-    # This folder found as a top-level `kernels` (the repository root on sys.path): e.g.
-    # transformers imports `kernels` to probe for Hugging Face's package of that name. A
-    # second copy of these modules would define every minimax:: op again, and the ops would
-    # then run the copy, whose kernel options override_kernel_options does not reach. So:
-    # an empty package without submodules (tests/test_import_names.py).
-    __path__ = []
+    # This folder found as a top-level `kernels` (the repository root on sys.path, as under
+    # `python -m pytest` run there): transformers imports Hugging Face's package of that name
+    # (5.25 requires it). A second copy of these modules would define every minimax:: op again,
+    # and the ops would then run the copy, whose kernel options override_kernel_options does not
+    # reach. So: hand the name to the package found elsewhere on sys.path (the import system
+    # returns what sys.modules holds once this file has run), or be an empty package without
+    # submodules where there is none (tests/test_import_names.py).
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _elsewhere = [p for p in _sys.path if _os.path.abspath(p or _os.getcwd()) != _root]
+    _spec = _machinery.PathFinder.find_spec(__name__, _elsewhere)
+    if _spec is not None and _spec.loader is not None:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules[__name__] = _module
+        _spec.loader.exec_module(_module)
+    else:
+        __path__ = []
 else:
     # op modules
     from . import fp8  # noqa: F401  (minimax::quantize_fp8, minimax::fp8_block_gemm)
