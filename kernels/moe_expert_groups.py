@@ -12,9 +12,10 @@ The kernels find a program's group from a per-block table (kernels/moe_triton.py
 GROUP_M = -1): for block b, the first block of its group and the group's size. Programs of a
 group are [first * n_tiles, (first + size) * n_tiles), so pid // n_tiles is a block of the
 group and its table entry names the group. Built here with a few fixed-size torch ops (no
-host sync, CUDA-graph safe). The kernel option moe_expert_groups turns it on; it is not the
-default (a hypothesis from the power-limit measurements of 2026-12-03, not yet timed:
-docs/measurements/2026-12-03.md, eleventh session).
+host sync, CUDA-graph safe). tile_config's table uses it for FP8 at prefill sizes (at most 8
+blocks a group: 1-4% faster than groups of 4 back to back on the H200, 2026-12-03:
+docs/kernel-notes.md#moe-at-the-power-limit); the kernel option moe_expert_groups sets the cap
+anywhere.
 """
 
 from __future__ import annotations
