@@ -15,13 +15,14 @@ BLOCK_M, an expert index per row block) on a [64, 128] tile per program: warp gr
 gate product, warp group 1 the up product (the same activation stage, the expert's w13 rows n
 and N + n), the up tile crosses to group 0 through shared memory, and group 0 applies
 SwiGLU-OAI / SiLU and the 1 x 128 FP8 quantization as the Triton kernel does. The activation
-rows are gathered into sorted order first (TMA cannot gather rows on Hopper). Each program makes
+rows must already be in sorted order (TMA cannot gather rows on Hopper):
+kernels/moe_quant_scatter.py quantizes them straight into it. Each program makes
 the TMA descriptor of its expert's weights in the kernel (one tensor per expert, addressed
 through moe_triton's pointer table), which takes a little global scratch per launch from
 triton's allocator (one is set here if there is none). The down GEMM stays the Triton kernel:
-its warp-specialized version measured slower (kernel-notes). Timed as a whole layer the pair
-was not faster than the Triton kernels (the down kernel slowed after it, and the gather costs),
-so it runs only where the kernel option moe_gemm asks for it.
+its warp-specialized version measured slower (kernel-notes). It is the default on sm_90 since
+2026-12-03 (kernel option moe_gemm=auto): the layer was 2-4% faster with it at 8192-16384
+tokens, burst and back to back at the card's power limit (docs/kernel-notes.md#moe-at-the-power-limit).
 
 FP8 only, routed and shared experts of one width. The output equals the Triton kernel's bit for
 bit (the same float32 products summed in the same order: tests/test_moe_triton.py).

@@ -545,7 +545,8 @@ if HAVE_TRITON:
 def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool = False) -> dict:
     """BLOCK_M / N / K, the gate/up kernel's warps and stages, its product per K step
     (ONE_DOT), the down kernel's BLOCK_N, warps and stages, and the programs' order
-    (GROUP_M, and EXPERT_GROUPS where GROUP_M is -1; both kernels), from the average rows per expert (measured on the H200 by
+    (GROUP_M, and EXPERT_GROUPS where GROUP_M is -1; both kernels), from the average rows
+    per expert (measured on the H200 by
     tools/tune_moe.py at 4096 and 16384 tokens, by tools/profile_moe.py at decode sizes:
     docs/kernel-notes.md#moe-tiles). BLOCK_M is one for both kernels: it is the padding
     of the experts' sorted runs, which the two share. The kernel options moe_tiles,
