@@ -135,3 +135,16 @@ def test_sampler_reports_what_a_failing_nvidia_smi_said(tmp_path, monkeypatch):
         time.sleep(0.3)  # a benchmark's block lasts seconds: nvidia-smi has exited by its end
     assert not power.available and "No devices were found" in power.why and "GPU-0000" in power.why
     assert power.reading(start, power.now()) is None
+
+
+def test_the_sustained_argument_and_the_optional_sampler(monkeypatch):
+    assert gpu_power.seconds_arg("2.5") == 2.5 and gpu_power.seconds_arg("0") == 0.0
+    for bad, says in (("-1", "seconds must be >= 0"), ("x", "not a number of seconds")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            gpu_power.seconds_arg(bad)
+    assert gpu_power.sampler_for(0.0, 0) is None  # off: no sampler, nothing said
+    monkeypatch.setattr(gpu_power.shutil, "which", lambda name: None)
+    said = []
+    power = gpu_power.sampler_for(2.0, 0, said.append)
+    assert power is not None and not power.available and said == [f"--sustained: {power.why}"]
+    assert gpu_power.sampler_for(2.0, 0, None) is not None  # a quiet rank still gets its sampler

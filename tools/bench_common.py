@@ -160,27 +160,17 @@ def sustained_ms(fn: Callable[[], Any], seconds: float, calls_per_timing: int = 
     (tools/gpu_power.py). CUDA events on a GPU, the host clock without CUDA."""
     if seconds <= 0:
         raise ValueError(f"sustained_ms: seconds must be > 0, got {seconds}")
-    cuda = torch.cuda.is_available()
+
+    def calls():
+        for _ in range(calls_per_timing):
+            fn()
+
     for _ in range(3):
         fn()
-    if cuda:
-        torch.cuda.synchronize()
     times = []
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end or not times:
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls_per_timing):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls_per_timing)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(calls_per_timing):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / calls_per_timing)
+        times.append(_timed_call_ms(calls, None) / calls_per_timing)
     return statistics.median(times)
 
 

@@ -67,6 +67,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from minimax_backend.tools.gpu_power import seconds_arg
+
 ABLATIONS = {
     "minimax-no-moe": {"moe_canonicalize": "off"},
     "minimax-no-sp": {"sequence_parallel": "off"},
@@ -180,7 +182,7 @@ def job(rank: int, world: int, args) -> None:
     from minimax_backend.tools.bench_common import (call_timeline, host_and_device_ms, idle_gaps,
                                                     interleaved_median_ms, kernel_profile, sustained_ms, top_kernels,
                                                     write_json)
-    from minimax_backend.tools.gpu_power import PowerSampler, smi_device_id
+    from minimax_backend.tools.gpu_power import sampler_for
     from minimax_backend.tools.run_job import compare_logits, sync_device
 
     for name in ("recompile_limit", "cache_size_limit"):
@@ -224,9 +226,7 @@ def job(rank: int, world: int, args) -> None:
     variants = {name: make_variant(name, model, world, args.ep, baseline_model) for name in args.variants}
     barrier = dist.barrier if dist.is_initialized() else None
     rows, compile_info = [], {}
-    power = PowerSampler(smi_device_id(device.index or 0)) if args.sustained else None
-    if power is not None and not power.available and rank == 0:
-        progress(f"--sustained: {power.why}")
+    power = sampler_for(args.sustained, device.index or 0, progress)  # progress prints on rank 0
 
     def payload():
         return {"benchmark": "e2e", "tp": world, "ep": args.ep, "preset": args.preset,
@@ -426,15 +426,13 @@ def main(argv=None) -> None:
                    help="also profile CALLS calls of minimax and torch-grouped (and of the kernel variants "
                         "minimax-moe-*): their top kernels in the JSON and tables, and on a GPU the idle gaps "
                         "inside one call")
-    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--sustained", type=seconds_arg, default=0.0, metavar="SECONDS",
                    help="also run each compiled variant back to back for SECONDS per workload, with the SM clock "
                         "and board power nvidia-smi reads meanwhile (one GPU: --tp 1)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("this benchmark needs CUDA GPUs (--device cpu --preset tiny-m3 for a smoke run)")
-    if args.sustained < 0:
-        raise SystemExit(f"--sustained {args.sustained}: seconds must be >= 0")
     if args.sustained and args.tp > 1:  # a loop bounded by time would give the ranks different call counts
         raise SystemExit("--sustained times one GPU: use it with --tp 1 (the ranks' collectives need the same "
                          "number of calls on every rank)")

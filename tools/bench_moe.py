@@ -54,6 +54,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from minimax_backend.tools.gpu_power import seconds_arg
 from minimax_backend.tools.torch_baseline import TorchGrouped
 
 DEFAULT_TOKENS = [1, 4, 16, 64, 128, 512, 1024, 4096, 8192, 16384]
@@ -130,7 +131,7 @@ def _expert_bytes(args: tuple, fp8: bool) -> tuple[int, int]:
 
 def job(rank: int, world: int, args) -> None:
     from minimax_backend.tools.bench_common import copy_bandwidth_gbs, print_table, write_json
-    from minimax_backend.tools.gpu_power import PowerSampler, smi_device_id
+    from minimax_backend.tools.gpu_power import sampler_for
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     barrier = dist.barrier if world > 1 else None
@@ -138,9 +139,8 @@ def job(rank: int, world: int, args) -> None:
     group = dist.group.WORLD.group_name if world > 1 else ""
     rows = []
     copy_gbs = copy_bandwidth_gbs(device)  # the memory ceiling, measured in this run
-    power = PowerSampler(smi_device_id(device.index or 0)) if args.sustained else None
-    if power is not None and not power.available and rank == 0:
-        print(f"[bench_moe] --sustained: {power.why}", flush=True)
+    power = sampler_for(args.sustained, device.index or 0,
+                        (lambda msg: print(f"[bench_moe] {msg}", flush=True)) if rank == 0 else None)
     with power or contextlib.nullcontext():  # fills each row's SM clock and power when it ends
         for precision in args.precisions:
             _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs, power, rows)
@@ -303,7 +303,7 @@ def main(argv=None) -> None:
     p.add_argument("--eager-max-tokens", type=int, default=16384)
     p.add_argument("--eager-max-tokens-fp8", type=int, default=4096)
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
-    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--sustained", type=seconds_arg, default=0.0, metavar="SECONDS",
                    help="also run ours and the plain GEMM back to back for SECONDS each and report the median ms "
                         "with the SM clock and board power nvidia-smi reads meanwhile (at prefill sizes the card "
                         "reaches its power limit and clocks down)")
@@ -312,8 +312,6 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("this benchmark needs CUDA GPUs (--device cpu --preset tiny-m3 for a smoke run)")
-    if args.sustained < 0:
-        raise SystemExit(f"--sustained {args.sustained}: seconds must be >= 0")
     if args.sustained and args.gpus > 1:  # a loop bounded by time would give the ranks different call counts
         raise SystemExit("--sustained times one GPU: use it with --gpus 1 (at EP > 1 the ranks' collectives "
                          "need the same number of calls on every rank)")

@@ -15,15 +15,17 @@ and stall it on a long run); they are read when the block ends.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import shutil
 import statistics
 import subprocess
 import tempfile
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple, Optional
 
-__all__ = ["PowerSample", "PowerSampler", "parse_samples", "smi_device_id", "summarize"]
+__all__ = ["PowerSample", "PowerSampler", "parse_samples", "sampler_for", "seconds_arg", "smi_device_id",
+           "summarize"]
 
 QUERY = "timestamp,clocks.sm,power.draw"
 TIME_FORMAT = "%Y/%m/%d %H:%M:%S.%f"
@@ -139,3 +141,25 @@ class PowerSampler:
     def reading(self, start: datetime.datetime, end: datetime.datetime) -> dict | None:
         """Median SM MHz and W between start and end (read after the block has ended)."""
         return summarize(self.samples, start, end) if self.available else None
+
+
+def seconds_arg(text: str) -> float:
+    """argparse type of the benchmarks' --sustained SECONDS: a number >= 0 (0 = off)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError(f"{text}: seconds must be >= 0")
+    return seconds
+
+
+def sampler_for(seconds: float, cuda_index: int, say: Optional[Callable[[str], None]] = print) -> Optional[PowerSampler]:
+    """The sampler beside a --sustained run of `seconds` (None when it is 0) on CUDA device
+    `cuda_index`; where it will read nothing, `say` (None: quiet, e.g. on ranks > 0) is told why."""
+    if not seconds:
+        return None
+    power = PowerSampler(smi_device_id(cuda_index))
+    if not power.available and say is not None:
+        say(f"--sustained: {power.why}")
+    return power

@@ -26,6 +26,8 @@ import contextlib
 
 import torch
 
+from minimax_backend.tools.gpu_power import seconds_arg
+
 FP8_CONFIGS = ["64,128,128,4,3", "64,128,128,4,4", "64,128,128,8,3", "64,128,128,8,4",
                "128,128,128,8,3", "128,128,128,8,4", "128,128,128,4,3"]
 BF16_CONFIGS = ["64,128,64,4,3", "64,128,64,4,4", "64,128,64,8,4", "128,128,64,8,3", "128,128,64,8,4",
@@ -163,14 +165,12 @@ def main(argv=None) -> None:
                         "kernels/moe_gluon.py, sm_90 only, at its BLOCK_M 64 tiles)")
     p.add_argument("--preset", default="m3")
     p.add_argument("--calls", type=int, default=3, help="profiled calls per config")
-    p.add_argument("--sustained", type=float, default=0.0, metavar="SECONDS",
+    p.add_argument("--sustained", type=seconds_arg, default=0.0, metavar="SECONDS",
                    help="also run each config back to back for SECONDS and report its time with the SM clock and "
                         "board power nvidia-smi reads meanwhile (tools/gpu_power.py)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    if args.sustained < 0:
-        raise SystemExit(f"--sustained {args.sustained}: seconds must be >= 0")
     if any(g < 0 for g in args.group_m):
         raise SystemExit("--group-m: 0 (row blocks fastest) or a group size >= 1")
     if any(g < 1 for g in args.expert_groups):
@@ -192,12 +192,10 @@ def main(argv=None) -> None:
     from minimax_backend.kernels.options import override_kernel_options
     from minimax_backend.tools.bench_common import print_table, write_json
     from minimax_backend.tools.bench_moe import build_block
-    from minimax_backend.tools.gpu_power import PowerSampler, smi_device_id
+    from minimax_backend.tools.gpu_power import sampler_for
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    power = PowerSampler(smi_device_id(device.index or 0)) if args.sustained else None
-    if power is not None and not power.available:
-        print(f"[tune_moe] --sustained: {power.why}", flush=True)
+    power = sampler_for(args.sustained, device.index or 0, lambda msg: print(f"[tune_moe] {msg}", flush=True))
     rows = []
     with power or contextlib.nullcontext():  # fills each row's SM clock and power when it ends
         for precision in args.precisions:
