@@ -198,6 +198,124 @@ if HAVE_GLUON:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+    # ---- persistent form: one program per SM walks the tiles; loads run ahead across tiles ----
+
+    @gluon.jit
+    def _persistent_producer(a_desc, w_desc, sh_desc, a_smem, g_smem, u_smem, ready, empty, block_expert, n_local,
+                             num_tiles, num_m_blocks, num_n_tiles, N: gl.constexpr, K: gl.constexpr,
+                             STAGES: gl.constexpr, GROUP_M: gl.constexpr, HAS_SHARED: gl.constexpr):
+        """The producer warp: every K step of every tile of this program, into the ring of stages,
+        which carries on from one tile to the next (the next tile's loads overlap this one's
+        epilogue). Routed experts' weights from one stacked descriptor (rows e * 2N on), the
+        shared expert's (the last one) from its own."""
+        BK: gl.constexpr = 128
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes
+        it = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_of(tile, num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
+            e = gl.load(block_expert + pid_m)
+            if e < n_local:
+                off_m = pid_m * 64
+                off_n = pid_n * 128
+                for ki in range(K // BK):
+                    s = it % STAGES
+                    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                    bar = ready.index(s)
+                    mbarrier.expect(bar, nbytes)
+                    _tma_load(a_desc, [off_m, ki * BK], bar, a_smem.index(s))
+                    if HAS_SHARED and e == n_local - 1:
+                        _tma_load(sh_desc, [off_n, ki * BK], bar, g_smem.index(s))
+                        _tma_load(sh_desc, [N + off_n, ki * BK], bar, u_smem.index(s))
+                    else:
+                        _tma_load(w_desc, [e * (2 * N) + off_n, ki * BK], bar, g_smem.index(s))
+                        _tma_load(w_desc, [e * (2 * N) + N + off_n, ki * BK], bar, u_smem.index(s))
+                    it += 1
+
+    @gluon.jit
+    def _persistent_consumer(a_smem, b_smem, ready, empty, xs_ptr, ws_table, block_expert, h_ptr, hs_ptr, epi_smem,
+                             epi_full, epi_free, n_local, num_tiles, num_m_blocks, num_n_tiles, alpha, limit, beta,
+                             N: gl.constexpr, K: gl.constexpr, ACT: gl.constexpr, STAGES: gl.constexpr,
+                             GROUP_M: gl.constexpr, IS_UP: gl.constexpr):
+        """One warp group over this program's tiles: the gate (group 0) or up (group 1) product of
+        each, as _gate_up_ws_consumer; the up tile reaches the gate group through epi_smem, which
+        the gate group frees (epi_free) before the next tile's up tile is written."""
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+        it = 0
+        done = 0
+        for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            pid_m, pid_n = _tile_of(tile, num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
+            e = gl.load(block_expert + pid_m)
+            if e < n_local:
+                ws = gl.load(ws_table + e).to(gl.pointer_type(gl.float32))
+                w_row = pid_n * 128
+                if IS_UP:
+                    w_row += N
+                rows = pid_m * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+                a_scales = xs_ptr + rows.to(gl.int64) * (K // 128)
+                b_scales = ws + (w_row // 128) * (K // 128)
+                acc = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+                p = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+                for ki in range(K // 128):
+                    s = it % STAGES
+                    sa = gl.load(a_scales + ki)
+                    sb = gl.load(b_scales + ki)
+                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                    p = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), p, use_acc=False,
+                                      is_async=True)
+                    p = warpgroup_mma_wait(0, deps=(p, ))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc += p * (sa * sb)[:, None]
+                    it += 1
+                v = acc.to(gl.bfloat16)  # the eager MLP rounds gate/up to bf16 first
+                if IS_UP:
+                    mbarrier.wait(epi_free, (done & 1) ^ 1)  # the gate group has read the last one
+                    epi_smem.store(v)
+                    mbarrier.arrive(epi_full, count=1)
+                else:
+                    mbarrier.wait(epi_full, done & 1)
+                    u = epi_smem.load(layout).to(gl.float32)
+                    mbarrier.arrive(epi_free, count=1)
+                    cols = pid_n * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+                    _act_quant_store(v.to(gl.float32), u, rows, cols, h_ptr, hs_ptr, pid_n, N, alpha, limit, beta,
+                                     ACT)
+                done += 1
+
+    @gluon.jit
+    def _gate_up_persistent_kernel(a_desc, w_desc, sh_desc, xs_ptr, ws_table, block_expert, h_ptr, hs_ptr, n_local,
+                                   num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr, K: gl.constexpr,
+                                   ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                                   HAS_SHARED: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                   PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """_gate_up_ws_kernel's [64, 128] tiles, this program's share of all of them in one launch."""
+        BK: gl.constexpr = 128
+        num_tiles = num_m_blocks * num_n_tiles
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        a_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
+        g_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], smem_layout)
+        u_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], smem_layout)
+        epi_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        epi_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 128], epi_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        epi = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        mbarrier.init(epi.index(0), count=1)
+        mbarrier.init(epi.index(1), count=1)
+        gl.warp_specialize([
+            (_persistent_consumer, (a_smem, g_smem, ready, empty, xs_ptr, ws_table, block_expert, h_ptr, hs_ptr,
+                                    epi_smem, epi.index(0), epi.index(1), n_local, num_tiles, num_m_blocks,
+                                    num_n_tiles, alpha, limit, beta, N, K, ACT, STAGES, GROUP_M, False)),
+            (_persistent_consumer, (a_smem, u_smem, ready, empty, xs_ptr, ws_table, block_expert, h_ptr, hs_ptr,
+                                    epi_smem, epi.index(0), epi.index(1), n_local, num_tiles, num_m_blocks,
+                                    num_n_tiles, alpha, limit, beta, N, K, ACT, STAGES, GROUP_M, True)),
+            (_persistent_producer, (a_desc, w_desc, sh_desc, a_smem, g_smem, u_smem, ready, empty, block_expert,
+                                    n_local, num_tiles, num_m_blocks, num_n_tiles, N, K, STAGES, GROUP_M,
+                                    HAS_SHARED)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 # Launch config, measured on one H200 (docs/kernel-notes.md#moe-in-gluon): the alignment's
 # row blocks of 64 rows (one expert each), 4 pipeline stages, registers per thread of the
 # consumer warp groups and of the producer warp.
@@ -222,4 +340,53 @@ def gate_up_act(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_t
     _gate_up_ws_kernel[(num_m * n_tiles,)](
         xg, xsg, w_table, ws_table, block_expert, h, hs, rows, n_local, num_m, n_tiles, alpha, limit, beta,
         N=n, K=k, ACT=act, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, **CONFIG)
+    return h, hs
+
+
+def _stacked(weights: list) -> torch.Tensor | None:
+    """The experts' weights as one [E * rows, K] tensor when they are consecutive views of one
+    (model/moe.py stores the routed experts stacked), else None."""
+    first = weights[0]
+    step = first.numel() * first.element_size()
+    if not first.is_contiguous() or any(
+            w.shape != first.shape or not w.is_contiguous() or w.data_ptr() != first.data_ptr() + i * step
+            for i, w in enumerate(weights)):
+        return None
+    return torch.as_strided(first, (len(weights) * first.shape[0], first.shape[1]), (first.shape[1], 1))
+
+
+_SM_COUNT: dict = {}
+
+
+def gate_up_act_persistent(xg: torch.Tensor, xsg: torch.Tensor, w13: list, ws_table: torch.Tensor,
+                           block_expert: torch.Tensor, num_m: int, n: int, act: int, alpha: float, limit: float,
+                           beta: float, group_m: int, has_shared: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """gate_up_act in one program per SM (the same tiles, the same bits), or None where the routed
+    experts' weights are not one stacked tensor (the caller runs gate_up_act). w13: the experts'
+    gate/up weights, the shared expert last when has_shared."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows, k = xg.shape
+    if rows != num_m * BLOCK_M or n % 128 or k % 128:
+        raise ValueError(f"moe_gluon.gate_up_act_persistent: {rows} rows for {num_m} blocks of {BLOCK_M}, n {n}, "
+                         f"K {k} (whole blocks and 128-wide tiles needed)")
+    routed = w13[:-1] if has_shared else w13
+    stacked = _stacked(routed) if routed else None
+    if stacked is None:
+        return None
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    a_desc = TensorDescriptor.from_tensor(xg, [BLOCK_M, 128], layout)
+    w_desc = TensorDescriptor.from_tensor(stacked, [128, 128], layout)
+    sh_desc = TensorDescriptor.from_tensor(w13[-1], [128, 128], layout) if has_shared else w_desc
+    h = torch.empty(rows, n, dtype=xg.dtype, device=xg.device)
+    hs = torch.empty(rows, n // 128, dtype=torch.float32, device=xg.device)
+    n_tiles = n // 128
+    dev = xg.device.index if xg.device.index is not None else torch.cuda.current_device()
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    grid = (max(1, min(_SM_COUNT[dev], num_m * n_tiles)),)
+    _gate_up_persistent_kernel[grid](
+        a_desc, w_desc, sh_desc, xsg, ws_table, block_expert, h, hs, len(w13), num_m, n_tiles, alpha, limit, beta,
+        N=n, K=k, ACT=act, GROUP_M=group_m if group_m < 0 else max(group_m, 1), HAS_SHARED=has_shared, num_warps=4,
+        **CONFIG)
     return h, hs
