@@ -721,13 +721,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w13_t = ws13_t = _table(w13)
         w2_t = ws2_t = _table(w2)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
-    done = None
-    if gluon and kernel_options().moe_gemm == "gluon_persistent":  # None: the experts are not stacked
-        done = moe_gluon.gate_up_act_persistent(xq, xs, w13, ws13_t, block_expert, num_m, n, _ACT[kind],
-                                                float(alpha), float(limit), float(beta), group_m, shared is not None)
-    if done is not None:
-        h, hs = done
-    elif gluon:
+    if gluon:
         h, hs = moe_gluon.gate_up_act(xq, xs, w13_t, ws13_t, block_expert, num_m, n_experts, n,
                                       _ACT[kind], float(alpha), float(limit), float(beta), group_m)
     else:

@@ -446,83 +446,6 @@ def test_tile_orders_compute_the_same_tiles(interp, case):
         assert torch.equal(out[group_m], out[0]), group_m
 
 
-def _scatter_by_torch(x, pair_row, sorted_pair, rows, slots):
-    """quantize_scatter_fp8's output from the reference quantization and torch indexing (the
-    interpreter's FP8 conversion rounds some values wrongly; the Triton path quantizes by the reference)."""
-    from minimax_backend.kernels.fp8 import FP8_DTYPE, quantize_fp8_reference
-
-    q, s = quantize_fp8_reference(x, 128)
-    pair = sorted_pair[:rows].long()
-    ok = pair >= 0
-    xg = torch.zeros(rows, x.shape[1], dtype=FP8_DTYPE)
-    xsg = torch.zeros(rows, x.shape[1] // 128, dtype=torch.float32)
-    xg[ok], xsg[ok] = q[pair[ok] // slots], s[pair[ok] // slots]
-    return xg, xsg
-
-
-def _gate_up_of_sorted_rows(kt, xg, xsg, w_table, ws_table, blocks, num_m, n_local, n, act, alpha, limit, beta,
-                            group_m):
-    """What the Gluon gate/up kernels compute, by the Triton gate/up kernel: h of rows already in
-    sorted order (each row its own pair, k = 1), 64-row blocks of experts `blocks` in `group_m` order."""
-    rows, hidden = xg.shape
-    h = torch.full((rows, n), float("nan")).to(xg.dtype)  # rows no block computes stay NaN
-    hs = torch.full((rows, n // 128), float("nan"))
-    kt._gate_up_act_kernel[(num_m * (n // 128),)](
-        xg, xsg, w_table, ws_table, torch.arange(rows, dtype=torch.int32), blocks, h, hs,
-        hidden, n, n, 1, n_local, num_m, n // 128, xg.stride(0), xsg.stride(0), h.stride(0), hs.stride(0),
-        alpha, limit, beta, False, ACT=act, FP8=True, OUT_KIND=1, INTERP=True, UPCAST=False, IEEE=False, BM=64,
-        BN=128, BK=128, ONE_DOT=True, GROUP_M=group_m, num_warps=4, num_stages=2)
-    return h, hs
-
-
-@pytest.mark.parametrize("order", [{"GROUP_M": -1, "EXPERT_GROUPS": 4}, {"GROUP_M": 4}],
-                         ids=["by_expert", "groups_of_4"])
-def test_host_side_of_the_gluon_gate_up_equals_the_triton_path(interp, order, monkeypatch):
-    """moe_gemm=gluon / gluon_persistent on the host (the default on sm_90): the rows scattered into
-    the experts' sorted layout, the block table with its groups, the down kernel and the combine.
-    The Gluon gate/up (sm_90 only) is replaced by the Triton gate/up kernel over the same sorted rows
-    and the same block table; the persistent form gets the experts' gate/up weights with the shared
-    expert last. Expert 6 takes every token, the shared expert too, 3 experts idle: the output
-    equals the Triton path's bit for bit."""
-    import minimax_backend.kernels.moe_gluon as mg
-
-    kt = interp
-    w = R.MoEWeights(*K.block_op_args(_block(tiny_m3_clamping, torch.bfloat16, True)))
-    g = torch.Generator().manual_seed(13)
-    x = torch.randn(201, 256, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.full((201,), 6), torch.randint(0, 5, (201,), generator=g)], 1)
-    tw = torch.rand(201, 2, generator=g)
-    shared = (w.shared_w13, w.shared_w2, w.shared_w13_scale, w.shared_w2_scale)
-    cfg = {"BM": 64, "BN": 128, "BK": 128, "BN_DOWN": 128, "num_warps": 4, "num_stages": 2, "ONE_DOT": True,
-           **order}
-    seen = []
-
-    def per_tile(xg, xsg, w_t, ws_t, blocks, num_m, n_local, n, act, alpha, limit, beta, group_m):
-        seen.append("gluon")
-        return _gate_up_of_sorted_rows(kt, xg, xsg, w_t, ws_t, blocks, num_m, n_local, n, act, alpha, limit, beta,
-                                       group_m)
-
-    def persistent(xg, xsg, w13, ws_t, blocks, num_m, n, act, alpha, limit, beta, group_m, has_shared):
-        seen.append("gluon_persistent")
-        assert has_shared and w13[-1] is w.shared_w13 and len(w13) == w.num_experts + 1
-        return _gate_up_of_sorted_rows(kt, xg, xsg, kt._table(w13), ws_t, blocks, num_m, len(w13), n, act, alpha,
-                                       limit, beta, group_m)
-
-    monkeypatch.setattr(mg, "gate_up_act", per_tile)
-    monkeypatch.setattr(mg, "gate_up_act_persistent", persistent)
-    monkeypatch.setattr(kt, "quantize_scatter_fp8", _scatter_by_torch)
-    out = {}
-    for gemm in ("triton", "gluon", "gluon_persistent"):
-        monkeypatch.setattr(kt, "gluon_fits", lambda *a, _on=gemm != "triton": _on)
-        with override_kernel_options(moe_gemm=gemm):
-            out[gemm] = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, w.w13_scale, w.w2_scale, 0, "swigluoai",
-                                             w.alpha, w.limit, w.beta, w.num_experts, cfg, shared=shared)
-    assert seen == ["gluon", "gluon_persistent"], seen
-    assert not torch.isnan(out["triton"]).any()
-    assert torch.equal(out["gluon"], out["triton"])
-    assert torch.equal(out["gluon_persistent"], out["triton"])
-
-
 def test_gate_up_and_order_switches_reach_the_kernel(interp, monkeypatch):
     """tile_config's table picks the product's shape and the program order by size (one
     product, grouped order at prefill sizes); the kernel options pin either way."""
@@ -789,22 +712,6 @@ def test_gpu_op_with_the_other_switches_captures(switch):
         test_gpu_op_captures_into_a_cuda_graph("m3_fp8")
 
 
-def test_persistent_gate_up_takes_only_stacked_experts():
-    """moe_gluon._stacked: the routed experts as one [E * rows, K] tensor only when they are
-    consecutive views of one (as model/moe.py stores them), so a single TMA descriptor reads them."""
-    from minimax_backend.kernels.moe_gluon import _stacked
-
-    base = torch.arange(4 * 6 * 8, dtype=torch.float32).view(24, 8)
-    experts = list(base.split(6))
-    whole = _stacked(experts)
-    assert whole is not None and whole.shape == (24, 8) and whole.data_ptr() == base.data_ptr()
-    assert torch.equal(whole, base)
-    assert _stacked(experts[1:]).data_ptr() == experts[1].data_ptr()  # a rank's slice of them
-    assert _stacked([experts[0], experts[2]]) is None  # a gap
-    assert _stacked([e.clone() for e in experts]) is None  # separate tensors
-    assert _stacked([experts[0], base[6:11]]) is None  # another shape
-
-
 def test_where_the_gluon_gate_up_runs(monkeypatch):
     """moe_gemm: triton never, auto where the GPU runs Gluon, gluon there or a clear error; and only
     at its tiles (BLOCK_M 64), one expert width, a bf16 model (no GPU needed: the decision only)."""
@@ -833,10 +740,9 @@ def test_where_the_gluon_gate_up_runs(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [999, 1000])  # the FP8 prefill tiles (BLOCK_M 64), an odd count
-@pytest.mark.parametrize("gemm", ["gluon", "gluon_persistent"])
-def test_gpu_gluon_gate_up_against_cpu_reference(tokens, gemm, monkeypatch):
-    """moe_gemm=gluon / gluon_persistent (kernels/moe_gluon.py) on an sm_90 GPU: the warp-specialized
-    gate/up kernel runs (counted) and the op matches the CPU reference as the Triton kernels do."""
+def test_gpu_gluon_gate_up_against_cpu_reference(tokens, monkeypatch):
+    """moe_gemm=gluon (kernels/moe_gluon.py) on an sm_90 GPU: the warp-specialized gate/up kernel
+    runs (counted) and the op matches the CPU reference as the Triton kernels do."""
     import minimax_backend.kernels.moe_gluon as mg
     import minimax_backend.kernels.moe_triton as kt
     from minimax_backend.kernels.options import kernel_options
@@ -844,10 +750,9 @@ def test_gpu_gluon_gate_up_against_cpu_reference(tokens, gemm, monkeypatch):
     if not mg.gluon_available(torch.device("cuda")):
         pytest.skip("needs triton's Gluon and an sm_90 GPU")
     launched = []
-    name = {"gluon": "gate_up_act", "gluon_persistent": "gate_up_act_persistent"}[gemm]
-    real = getattr(mg, name)
-    monkeypatch.setattr(mg, name, lambda *a, **kw: launched.append(1) or real(*a, **kw))
-    with override_kernel_options(moe_gemm=gemm):
+    real = mg.gate_up_act
+    monkeypatch.setattr(mg, "gate_up_act", lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    with override_kernel_options(moe_gemm="gluon"):
         test_gpu_kernels_against_cpu_reference("m3_fp8", tokens)
         why = {"options": kernel_options().to_dict(), "same_module": kt.moe_gluon is mg,
                "tiles": kt.tile_config(tokens, 2, 8, True)}
@@ -859,7 +764,7 @@ def test_gpu_gluon_gate_up_against_cpu_reference(tokens, gemm, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_gluon_gate_up_equals_the_triton_kernel_bit_for_bit():
-    """The Gluon kernels (per tile and persistent) sum the same float32 products in the same order as the Triton loop (per K
+    """The Gluon kernel sums the same float32 products in the same order as the Triton loop (per K
     step: the product, times the activation and weight block scales), so the layer's output is the
     same bits, with a crowded expert and an idle one."""
     import minimax_backend.kernels.moe_gluon as mg
@@ -876,15 +781,7 @@ def test_gpu_gluon_gate_up_equals_the_triton_kernel_bit_for_bit():
               w.num_experts)
     shared = (w.shared_w13, w.shared_w2, w.shared_w13_scale, w.shared_w2_scale)
     out = {}
-    for kernels in ("triton", "gluon", "gluon_persistent"):
+    for kernels in ("triton", "gluon"):
         with override_kernel_options(moe_gemm=kernels):
             out[kernels] = kt.grouped_gated_mlp(x, *common, shared=shared)
     assert torch.equal(out["gluon"], out["triton"])
-    assert torch.equal(out["gluon_persistent"], out["triton"])
-    # without the shared expert, and with the routed experts not one stacked tensor (copies): the
-    # persistent kernel declines and the per-tile one runs, same bits
-    for kernels, w13 in (("gluon", w.w13), ("gluon_persistent", w.w13), ("copies", [t.clone() for t in w.w13])):
-        with override_kernel_options(moe_gemm="gluon" if kernels == "gluon" else "gluon_persistent"):
-            out[kernels] = kt.grouped_gated_mlp(x, ids, tw, w13, *common[3:])
-    assert torch.equal(out["gluon_persistent"], out["gluon"])
-    assert torch.equal(out["copies"], out["gluon"])

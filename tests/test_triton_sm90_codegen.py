@@ -17,7 +17,6 @@ import inspect
 import re
 
 import pytest
-import torch
 
 triton = pytest.importorskip("triton", reason="needs triton (pip install triton)")
 
@@ -288,37 +287,6 @@ def test_moe_gluon_gate_up_compiles_warp_specialized_without_spills(width, tmp_p
     for group_m in (4, -1):  # -1: the groups by expert (kernel option moe_expert_groups)
         kernel = compiled_gluon_sm90(mg._gate_up_ws_kernel, GLUON_GATE_UP_SIG,
                                      dict(N=width, K=2 * width, ACT=0, GROUP_M=group_m, num_warps=4, **mg.CONFIG), 4)
-        ptx = kernel.asm["ptx"]
-        assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
-        assert kernel.metadata.shared <= H200_SHARED_BYTES
-        assert local_memory_bytes(kernel, tmp_path) == 0, group_m
-
-
-def test_moe_gluon_persistent_gate_up_compiles_without_spills(tmp_path):
-    """The persistent form of the Gluon gate/up (kernel option moe_gemm=gluon_persistent): its
-    descriptors made on the host, every tile's K loop in one program, wgmma and setmaxnreg, no
-    register spills, shared memory within the H200's."""
-    from minimax_backend.kernels import moe_gluon as mg
-
-    if not mg.HAVE_GLUON:
-        pytest.skip(f"triton {triton.__version__} has no Gluon")
-    try:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-        from triton.runtime.jit import mangle_type
-    except ImportError as e:  # pragma: no cover - another triton's API
-        pytest.skip(f"triton {triton.__version__}: {e}")
-    layout = mg.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-    x = torch.empty(1024, 6144, dtype=torch.float8_e4m3fn)
-    w = torch.empty(6144, 6144, dtype=torch.float8_e4m3fn)
-    a_sig = mangle_type(TensorDescriptor.from_tensor(x, [mg.BLOCK_M, 128], layout))
-    w_sig = mangle_type(TensorDescriptor.from_tensor(w, [128, 128], layout))
-    sig = {"a_desc": a_sig, "w_desc": w_sig, "sh_desc": w_sig, "xs_ptr": "*fp32", "ws_table": "*i64",
-           "block_expert": "*i32", "h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "n_local": "i32", "num_m_blocks": "i32",
-           "num_n_tiles": "i32", "alpha": "fp32", "limit": "fp32", "beta": "fp32"}
-    for group_m, shared in ((-1, True), (4, False)):
-        kernel = compiled_gluon_sm90(mg._gate_up_persistent_kernel, sig,
-                                     dict(N=3072, K=6144, ACT=0, GROUP_M=group_m, HAS_SHARED=shared, num_warps=4,
-                                          **mg.CONFIG), 4)
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
         assert kernel.metadata.shared <= H200_SHARED_BYTES
