@@ -446,6 +446,65 @@ def test_tile_orders_compute_the_same_tiles(interp, case):
         assert torch.equal(out[group_m], out[0]), group_m
 
 
+def _scatter_by_torch(x, pair_row, sorted_pair, rows, slots):
+    """quantize_scatter_fp8's output from the reference quantization and torch indexing (the
+    interpreter's FP8 conversion rounds some values wrongly; the Triton path quantizes by the reference)."""
+    from minimax_backend.kernels.fp8 import FP8_DTYPE, quantize_fp8_reference
+
+    q, s = quantize_fp8_reference(x, 128)
+    pair = sorted_pair[:rows].long()
+    ok = pair >= 0
+    xg = torch.zeros(rows, x.shape[1], dtype=FP8_DTYPE)
+    xsg = torch.zeros(rows, x.shape[1] // 128, dtype=torch.float32)
+    xg[ok], xsg[ok] = q[pair[ok] // slots], s[pair[ok] // slots]
+    return xg, xsg
+
+
+@pytest.mark.parametrize("order", [{"GROUP_M": -1, "EXPERT_GROUPS": 4}, {"GROUP_M": 4}],
+                         ids=["by_expert", "groups_of_4"])
+def test_host_side_of_the_gluon_gate_up_equals_the_triton_path(interp, order, monkeypatch):
+    """The host side of the Gluon gate/up path (the default on sm_90; CI has no GPU): the rows
+    scattered into the experts' sorted layout, the block table with its groups, the down kernel and
+    the combine. The Gluon kernel is replaced by the Triton gate/up kernel over the same sorted rows
+    and block table (each row its own pair, k = 1; rows it skips stay NaN). Expert 6 takes every
+    token, the shared expert too, 3 experts idle: the output equals the Triton path's bit for bit."""
+    import minimax_backend.kernels.moe_gluon as mg
+
+    kt = interp
+    w = R.MoEWeights(*K.block_op_args(_block(tiny_m3_clamping, torch.bfloat16, True)))
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(201, 256, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.full((201,), 6), torch.randint(0, 5, (201,), generator=g)], 1)
+    tw = torch.rand(201, 2, generator=g)
+    shared = (w.shared_w13, w.shared_w2, w.shared_w13_scale, w.shared_w2_scale)
+    cfg = {"BM": 64, "BN": 128, "BK": 128, "BN_DOWN": 128, "num_warps": 4, "num_stages": 2, "ONE_DOT": True,
+           **order}
+    launched = []
+
+    def gate_up(xg, xsg, w_t, ws_t, blocks, num_m, n_local, n, act, alpha, limit, beta, group_m):
+        launched.append(group_m)
+        rows, hidden = xg.shape
+        h = torch.full((rows, n), float("nan")).to(xg.dtype)
+        hs = torch.full((rows, n // 128), float("nan"))
+        kt._gate_up_act_kernel[(num_m * (n // 128),)](
+            xg, xsg, w_t, ws_t, torch.arange(rows, dtype=torch.int32), blocks, h, hs,
+            hidden, n, n, 1, n_local, num_m, n // 128, xg.stride(0), xsg.stride(0), h.stride(0), hs.stride(0),
+            alpha, limit, beta, False, ACT=act, FP8=True, OUT_KIND=1, INTERP=True, UPCAST=False, IEEE=False, BM=64,
+            BN=128, BK=128, ONE_DOT=True, GROUP_M=group_m, num_warps=4, num_stages=2)
+        return h, hs
+
+    monkeypatch.setattr(mg, "gate_up_act", gate_up)
+    monkeypatch.setattr(kt, "quantize_scatter_fp8", _scatter_by_torch)
+    out = {}
+    for gemm in ("triton", "gluon"):
+        monkeypatch.setattr(kt, "gluon_fits", lambda *a, _on=gemm == "gluon": _on)
+        out[gemm] = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, w.w13_scale, w.w2_scale, 0, "swigluoai", w.alpha,
+                                         w.limit, w.beta, w.num_experts, cfg, shared=shared)
+    assert launched == [order["GROUP_M"]]
+    assert not torch.isnan(out["triton"]).any()
+    assert torch.equal(out["gluon"], out["triton"])
+
+
 def test_gate_up_and_order_switches_reach_the_kernel(interp, monkeypatch):
     """tile_config's table picks the product's shape and the program order by size (one
     product, grouped order at prefill sizes); the kernel options pin either way."""
