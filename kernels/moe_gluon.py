@@ -118,15 +118,14 @@ if HAVE_GLUON:
             _tma_load(b_desc, [b1_row, ki * BK], bar, b1_smem.index(s))
 
     @gluon.jit
-    def _ws_product(a_smem, b_smem, ready, empty, a_scales, a_step, b_scales, n_steps, STAGES: gl.constexpr,
+    def _ws_product(a_smem, b_smem, ready, empty, a_scales, b_scales, n_steps, STAGES: gl.constexpr,
                     layout: gl.constexpr):
-        """This warp group's [64, 128] tile over the K steps: each step's product times its block scales
-        (the rows' activation scales of step ki at a_scales + ki * a_step)."""
+        """This warp group's [64, 128] tile over the K steps: each step's product times its block scales."""
         acc = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
         p = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
         for ki in range(n_steps):
             s = ki % STAGES
-            sa = gl.load(a_scales + ki * a_step)
+            sa = gl.load(a_scales + ki)
             sb = gl.load(b_scales + ki)
             mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
             p = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
@@ -136,12 +135,12 @@ if HAVE_GLUON:
         return acc
 
     @gluon.jit
-    def _gate_up_ws_consumer(a_smem, b_smem, ready, empty, xs_ptr, stride_sr, stride_sg, ws, h_ptr, hs_ptr, epi_smem,
-                             epi_bar, off_m, w_row, pid_n, n_steps, active, N: gl.constexpr, K: gl.constexpr, alpha,
-                             limit, beta, ACT: gl.constexpr, STAGES: gl.constexpr, IS_UP: gl.constexpr):
+    def _gate_up_ws_consumer(a_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi_smem, epi_bar, off_m,
+                             w_row, pid_n, n_steps, active, N: gl.constexpr, K: gl.constexpr, alpha, limit, beta,
+                             ACT: gl.constexpr, STAGES: gl.constexpr, IS_UP: gl.constexpr):
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
         rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        acc = _ws_product(a_smem, b_smem, ready, empty, xs_ptr + rows.to(gl.int64) * stride_sr, stride_sg,
+        acc = _ws_product(a_smem, b_smem, ready, empty, xs_ptr + rows.to(gl.int64) * (K // 128),
                           ws + (w_row // 128) * (K // 128), n_steps, STAGES, layout)
         v = acc.to(gl.bfloat16)  # the eager MLP rounds gate/up to bf16 first
         if IS_UP:  # hand the up tile to the gate group, which finishes the tile
@@ -155,9 +154,8 @@ if HAVE_GLUON:
                 _act_quant_store(v.to(gl.float32), u, rows, cols, h_ptr, hs_ptr, pid_n, N, alpha, limit, beta, ACT)
 
     @gluon.jit
-    def _gate_up_ws_kernel(x_ptr, xs_ptr, stride_sr, stride_sg, w_table, ws_table, block_expert, h_ptr, hs_ptr,
-                           rows_total, n_local, num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr,
-                           K: gl.constexpr,
+    def _gate_up_ws_kernel(x_ptr, xs_ptr, w_table, ws_table, block_expert, h_ptr, hs_ptr, rows_total, n_local,
+                           num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr, K: gl.constexpr,
                            ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """gate_up + act of one [64, 128] tile: warp group 0 the gate product, 1 the up product."""
@@ -190,11 +188,9 @@ if HAVE_GLUON:
         off_m = pid_m * BM
         off_n = pid_n * 128
         gl.warp_specialize([
-            (_gate_up_ws_consumer, (a_smem, g_smem, ready, empty, xs_ptr, stride_sr, stride_sg, ws, h_ptr, hs_ptr,
-                                    epi_smem, epi_bar.index(0),
+            (_gate_up_ws_consumer, (a_smem, g_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi_smem, epi_bar.index(0),
                                     off_m, off_n, pid_n, n_steps, active, N, K, alpha, limit, beta, ACT, STAGES, False)),
-            (_gate_up_ws_consumer, (a_smem, u_smem, ready, empty, xs_ptr, stride_sr, stride_sg, ws, h_ptr, hs_ptr,
-                                    epi_smem, epi_bar.index(0),
+            (_gate_up_ws_consumer, (a_smem, u_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi_smem, epi_bar.index(0),
                                     off_m, N + off_n, pid_n, n_steps, active, N, K, alpha, limit, beta, ACT, STAGES,
                                     True)),
             (_ws_producer, (a_desc, w_desc, a_smem, g_smem, u_smem, ready, empty, off_m, off_n, N + off_n, n_steps,
@@ -207,9 +203,6 @@ if HAVE_GLUON:
 # consumer warp groups and of the producer warp.
 BLOCK_M = 64
 CONFIG = {"STAGES": 4, "CONSUMER_REGS": 232, "PRODUCER_REGS": 40}
-# The activation scales as kernels/moe_quant_scatter.py stores them for this kernel: by group
-# ([K / 128, rows], a K step's 64 scales in one coalesced load) or by row ([rows, K / 128]).
-SCALES_BY_GROUP = False
 
 
 def gate_up_act(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_table: torch.Tensor,
@@ -217,8 +210,7 @@ def gate_up_act(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_t
                 beta: float, group_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """h [rows, n] FP8 and its 1 x 128 scales [rows, n / 128] (what the Triton down kernel reads) of
     the sorted, gathered activation rows xg [rows, K] FP8 with their scales xsg [rows, K / 128]
-    (rows = num_m * BLOCK_M; any strides: a transposed view reads a K step's scales in one
-    coalesced load); w_table / ws_table: the experts' w13 and block-scale addresses."""
+    (rows = num_m * BLOCK_M); w_table / ws_table: the experts' w13 and block-scale addresses."""
     rows, k = xg.shape
     if rows != num_m * BLOCK_M or n % 128 or k % 128:
         raise ValueError(f"moe_gluon.gate_up_act: {rows} rows for {num_m} blocks of {BLOCK_M}, n {n}, K {k} "
@@ -228,7 +220,6 @@ def gate_up_act(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_t
     hs = torch.empty(rows, n // 128, dtype=torch.float32, device=xg.device)
     n_tiles = n // 128
     _gate_up_ws_kernel[(num_m * n_tiles,)](
-        xg, xsg, xsg.stride(0), xsg.stride(1), w_table, ws_table, block_expert, h, hs, rows, n_local, num_m, n_tiles,
-        alpha, limit, beta,
+        xg, xsg, w_table, ws_table, block_expert, h, hs, rows, n_local, num_m, n_tiles, alpha, limit, beta,
         N=n, K=k, ACT=act, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, **CONFIG)
     return h, hs

@@ -41,7 +41,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _quantize_scatter_kernel(x_ptr, pair_row, sorted_pair, q_ptr, s_ptr, T, rows, n_groups,
-                                 stride_x, stride_q, stride_s, stride_sg,
+                                 stride_x, stride_q, stride_s,
                                  SLOTS: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, ZR: tl.constexpr,
                                  ZC: tl.constexpr):
         pid = tl.program_id(0)
@@ -58,7 +58,7 @@ if HAVE_TRITON:
                     r = tl.load(pair_row + token * SLOTS + j).to(tl.int64)
                     ok = (col * 0 + r) >= 0  # the interpreter rejects a scalar & tile mask
                     tl.store(q_ptr + r * stride_q + col, q, mask=cmask & ok)
-                    tl.store(s_ptr + r * stride_s + g * stride_sg, scale, mask=(g < n_groups) & ((g * 0 + r) >= 0))
+                    tl.store(s_ptr + r * stride_s + g, scale, mask=(g < n_groups) & ((g * 0 + r) >= 0))
         else:  # a block of sorted rows: zeros in its padding rows
             r = (pid - T) * ZR + tl.arange(0, ZR)
             pad = (tl.load(sorted_pair + r, mask=r < rows, other=0) < 0) & (r < rows)
@@ -71,24 +71,21 @@ if HAVE_TRITON:
                              mask=pad[:, None] & (cols[None, :] < n_groups * G))
                 for g0 in range(0, n_groups, ZC // G):
                     g = g0 + tl.arange(0, ZC // G)
-                    tl.store(s_ptr + r64[:, None] * stride_s + g[None, :] * stride_sg, tl.zeros((ZR, ZC // G), tl.float32),
+                    tl.store(s_ptr + r64[:, None] * stride_s + g[None, :], tl.zeros((ZR, ZC // G), tl.float32),
                              mask=pad[:, None] & (g[None, :] < n_groups))
 
 
-def _outputs(rows: int, k: int, device: torch.device, scales_by_group: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialized: the kernel writes every row (tests swap in garbage-filled ones to show it).
-    scales_by_group: the scales stored [K / 128, rows] and returned as its transposed view."""
-    scales = (torch.empty(k // GROUP, rows, dtype=torch.float32, device=device).t() if scales_by_group
-              else torch.empty(rows, k // GROUP, dtype=torch.float32, device=device))
-    return torch.empty(rows, k, dtype=FP8_DTYPE, device=device), scales
+def _outputs(rows: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized: the kernel writes every row (tests swap in garbage-filled ones to show it)."""
+    return (torch.empty(rows, k, dtype=FP8_DTYPE, device=device),
+            torch.empty(rows, k // GROUP, dtype=torch.float32, device=device))
 
 
 def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: torch.Tensor, rows: int,
-                         slots: int, scales_by_group: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] (bf16 / fp16, K a multiple of 128) -> (xg [rows, K] FP8, xsg [rows, K / 128] float32):
     token t's quantized row at sorted row pair_row[t * slots + j] for each slot j (skipped where -1),
-    zeros where sorted_pair[:rows] is -1 (padding). scales_by_group: xsg is the transposed view of a
-    [K / 128, rows] tensor, so one K step's scales of consecutive rows are contiguous."""
+    zeros where sorted_pair[:rows] is -1 (padding)."""
     t, k = x.shape
     if k % GROUP:
         raise ValueError(f"quantize_scatter_fp8: width {k} is not a multiple of {GROUP}")
@@ -98,10 +95,10 @@ def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: t
         raise ValueError(f"quantize_scatter_fp8: {rows} rows asked of {sorted_pair.numel()} sorted rows")
     if x.stride(1) != 1:
         x = x.contiguous()
-    xg, xsg = _outputs(rows, k, x.device, scales_by_group)
+    xg, xsg = _outputs(rows, k, x.device)
     if t + rows == 0:
         return xg, xsg
     _quantize_scatter_kernel[(t + triton.cdiv(rows, ZERO_ROWS),)](
-        x, pair_row, sorted_pair, xg, xsg, t, rows, k // GROUP, x.stride(0), xg.stride(0), xsg.stride(0), xsg.stride(1),
+        x, pair_row, sorted_pair, xg, xsg, t, rows, k // GROUP, x.stride(0), xg.stride(0), xsg.stride(0),
         SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS, num_warps=4)
     return xg, xsg

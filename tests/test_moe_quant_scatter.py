@@ -44,17 +44,15 @@ def _expected(q, s, pair_row, sorted_pair, rows, slots):
     return qg, sg
 
 
-def _garbage_outputs(rows, k, device, scales_by_group=False):
-    scales = (torch.full((k // 128, rows), float("nan"), device=device).t() if scales_by_group
-              else torch.full((rows, k // 128), float("nan"), device=device))
-    return torch.full((rows, k), 0x7F, dtype=torch.uint8, device=device).view(FP8_DTYPE), scales  # NaN in E4M3
+def _garbage_outputs(rows, k, device):
+    return (torch.full((rows, k), 0x7F, dtype=torch.uint8, device=device).view(FP8_DTYPE),  # NaN in E4M3
+            torch.full((rows, k // 128), float("nan"), device=device))
 
 
 @in_child
 @pytest.mark.parametrize("tokens,width,slots,remote", [(37, 384, 3, 0.0), (5, 6144, 5, 0.2), (1, 256, 2, 0.5),
                                                        (64, 128, 1, 0.0)])
-@pytest.mark.parametrize("by_group", [False, True], ids=["by_row", "by_group"])
-def test_equals_quantize_then_gather_bit_for_bit(monkeypatch, tokens, width, slots, remote, by_group):
+def test_equals_quantize_then_gather_bit_for_bit(monkeypatch, tokens, width, slots, remote):
     from minimax_backend.kernels import moe_quant_scatter
     from minimax_backend.kernels.norm_quant_triton import quantize_fp8_triton
 
@@ -64,8 +62,7 @@ def test_equals_quantize_then_gather_bit_for_bit(monkeypatch, tokens, width, slo
     amp = torch.exp(torch.randn(tokens, width // 128, 1, generator=g) * 2)
     x = (torch.randn(tokens, width // 128, 128, generator=g) * amp).reshape(tokens, width).to(torch.bfloat16)
     pair_row, sorted_pair, rows = _layout(tokens, slots, seed=tokens + slots, remote=remote)
-    xg, xsg = moe_quant_scatter.quantize_scatter_fp8(x, pair_row, sorted_pair, rows, slots, scales_by_group=by_group)
-    assert xsg.shape == (rows, width // 128) and (xsg.stride(1) == rows) == by_group
+    xg, xsg = moe_quant_scatter.quantize_scatter_fp8(x, pair_row, sorted_pair, rows, slots)
     q, s = quantize_fp8_triton(x, 128)
     want_q, want_s = _expected(q, s, pair_row, sorted_pair, rows, slots)
     assert torch.equal(xg.view(torch.uint8), want_q)
@@ -89,8 +86,7 @@ def test_bad_shapes_are_named():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("tokens", [1, 37, 4097])
-@pytest.mark.parametrize("by_group", [False, True], ids=["by_row", "by_group"])
-def test_on_gpu_equals_the_reference_quantization_gathered(monkeypatch, tokens, by_group):
+def test_on_gpu_equals_the_reference_quantization_gathered(monkeypatch, tokens):
     from minimax_backend.kernels import moe_quant_scatter
 
     monkeypatch.setattr(moe_quant_scatter, "_outputs", _garbage_outputs)
@@ -98,8 +94,7 @@ def test_on_gpu_equals_the_reference_quantization_gathered(monkeypatch, tokens, 
     amp = torch.exp(torch.randn(tokens, 48, 1, generator=g) * 2)
     x = (torch.randn(tokens, 48, 128, generator=g) * amp).reshape(tokens, 6144).to(torch.bfloat16)
     pair_row, sorted_pair, rows = _layout(tokens, 5, seed=tokens, remote=0.1)
-    xg, xsg = moe_quant_scatter.quantize_scatter_fp8(x.cuda(), pair_row.cuda(), sorted_pair.cuda(), rows, 5,
-                                                     scales_by_group=by_group)
+    xg, xsg = moe_quant_scatter.quantize_scatter_fp8(x.cuda(), pair_row.cuda(), sorted_pair.cuda(), rows, 5)
     q, s = quantize_fp8_reference(x, 128)
     want_q, want_s = _expected(q, s, pair_row, sorted_pair, rows, 5)
     assert torch.equal(xg.view(torch.uint8).cpu(), want_q)

@@ -253,8 +253,7 @@ def test_spill_check_sees_a_spilling_config(moe, tmp_path):
     assert local_memory_bytes(kernel, tmp_path) > 0
 
 
-GLUON_GATE_UP_SIG = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "stride_sr": "i32", "stride_sg": "i32",
-                     "w_table": "*i64", "ws_table": "*i64",
+GLUON_GATE_UP_SIG = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_table": "*i64", "ws_table": "*i64",
                      "block_expert": "*i32", "h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "rows_total": "i32",
                      "n_local": "i32", "num_m_blocks": "i32", "num_n_tiles": "i32", "alpha": "fp32", "limit": "fp32",
                      "beta": "fp32"}
@@ -350,8 +349,7 @@ def test_moe_quantize_scatter_kernel_compiles_with_vector_stores():
     from minimax_backend.kernels import moe_quant_scatter as mqs
 
     sig = {"x_ptr": "*bf16", "pair_row": "*i32", "sorted_pair": "*i32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
-           "T": "i32", "rows": "i32", "n_groups": "i32", "stride_x": "i32", "stride_q": "i32", "stride_s": "i32",
-           "stride_sg": "i32"}
+           "T": "i32", "rows": "i32", "n_groups": "i32", "stride_x": "i32", "stride_q": "i32", "stride_s": "i32"}
     consts = dict(SLOTS=5, G=mqs.GROUP, NG=mqs.CHUNK_GROUPS, ZR=mqs.ZERO_ROWS, ZC=mqs.ZERO_COLUMNS)
     ptx, _ = compile_sm90(mqs._quantize_scatter_kernel, sig, consts,
                           ["x_ptr", "pair_row", "sorted_pair", "q_ptr", "s_ptr", "stride_x", "stride_q"], num_warps=4)
