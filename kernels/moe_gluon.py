@@ -119,53 +119,29 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_product(a_smem, b_smem, ready, empty, a_scales, b_scales, n_steps, STAGES: gl.constexpr,
-                    layout: gl.constexpr, OVERLAP: gl.constexpr):
+                    layout: gl.constexpr):
         """This warp group's [64, 128] tile over the K steps: each step's product times its block scales."""
-        if OVERLAP:
-            acc = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
-            if n_steps > 0:
-                # one product in flight while the one before it is scaled into acc
-                scale = gl.load(a_scales) * gl.load(b_scales)
-                mbarrier.wait(ready.index(0), 0)
-                pending = warpgroup_mma(a_smem.index(0), b_smem.index(0).permute((1, 0)),
-                                        gl.zeros((64, 128), dtype=gl.float32, layout=layout), use_acc=False, is_async=True)
-                for ki in range(1, n_steps):
-                    s = ki % STAGES
-                    sa = gl.load(a_scales + ki)
-                    sb = gl.load(b_scales + ki)
-                    mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
-                    nxt = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)),
-                                        gl.zeros((64, 128), dtype=gl.float32, layout=layout), use_acc=False, is_async=True)
-                    done = warpgroup_mma_wait(1, deps=(pending, ))
-                    mbarrier.arrive(empty.index((ki - 1) % STAGES), count=1)
-                    acc += done * scale[:, None]
-                    pending = nxt
-                    scale = sa * sb
-                done = warpgroup_mma_wait(0, deps=(pending, ))
-                mbarrier.arrive(empty.index((n_steps - 1) % STAGES), count=1)
-                acc += done * scale[:, None]
-        else:
-            acc = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
-            p = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
-            for ki in range(n_steps):
-                s = ki % STAGES
-                sa = gl.load(a_scales + ki)
-                sb = gl.load(b_scales + ki)
-                mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
-                p = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
-                p = warpgroup_mma_wait(0, deps=(p, ))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc += p * (sa * sb)[:, None]
+        acc = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+        p = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+        for ki in range(n_steps):
+            s = ki % STAGES
+            sa = gl.load(a_scales + ki)
+            sb = gl.load(b_scales + ki)
+            mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
+            p = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
+            p = warpgroup_mma_wait(0, deps=(p, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc += p * (sa * sb)[:, None]
         return acc
 
     @gluon.jit
     def _gate_up_ws_consumer(a_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi_smem, epi_bar, off_m,
                              w_row, pid_n, n_steps, active, N: gl.constexpr, K: gl.constexpr, alpha, limit, beta,
-                             ACT: gl.constexpr, STAGES: gl.constexpr, IS_UP: gl.constexpr, OVERLAP: gl.constexpr):
+                             ACT: gl.constexpr, STAGES: gl.constexpr, IS_UP: gl.constexpr):
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
         rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         acc = _ws_product(a_smem, b_smem, ready, empty, xs_ptr + rows.to(gl.int64) * (K // 128),
-                          ws + (w_row // 128) * (K // 128), n_steps, STAGES, layout, OVERLAP)
+                          ws + (w_row // 128) * (K // 128), n_steps, STAGES, layout)
         v = acc.to(gl.bfloat16)  # the eager MLP rounds gate/up to bf16 first
         if IS_UP:  # hand the up tile to the gate group, which finishes the tile
             epi_smem.store(v)
@@ -181,8 +157,7 @@ if HAVE_GLUON:
     def _gate_up_ws_kernel(x_ptr, xs_ptr, w_table, ws_table, block_expert, h_ptr, hs_ptr, rows_total, n_local,
                            num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr, K: gl.constexpr,
                            ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, OVERLAP: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """gate_up + act of one [64, 128] tile: warp group 0 the gate product, 1 the up product."""
         BM: gl.constexpr = 64
         BK: gl.constexpr = 128
@@ -214,11 +189,10 @@ if HAVE_GLUON:
         off_n = pid_n * 128
         gl.warp_specialize([
             (_gate_up_ws_consumer, (a_smem, g_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi_smem, epi_bar.index(0),
-                                    off_m, off_n, pid_n, n_steps, active, N, K, alpha, limit, beta, ACT, STAGES, False,
-                                    OVERLAP)),
+                                    off_m, off_n, pid_n, n_steps, active, N, K, alpha, limit, beta, ACT, STAGES, False)),
             (_gate_up_ws_consumer, (a_smem, u_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi_smem, epi_bar.index(0),
                                     off_m, N + off_n, pid_n, n_steps, active, N, K, alpha, limit, beta, ACT, STAGES,
-                                    True, OVERLAP)),
+                                    True)),
             (_ws_producer, (a_desc, w_desc, a_smem, g_smem, u_smem, ready, empty, off_m, off_n, N + off_n, n_steps,
                             STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -228,7 +202,7 @@ if HAVE_GLUON:
 # row blocks of 64 rows (one expert each), 4 pipeline stages, registers per thread of the
 # consumer warp groups and of the producer warp.
 BLOCK_M = 64
-CONFIG = {"STAGES": 4, "CONSUMER_REGS": 232, "PRODUCER_REGS": 40, "OVERLAP": True}
+CONFIG = {"STAGES": 4, "CONSUMER_REGS": 232, "PRODUCER_REGS": 40}
 
 
 def gate_up_act(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_table: torch.Tensor,
