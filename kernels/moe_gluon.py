@@ -40,6 +40,8 @@ try:  # Gluon ships with triton >= 3.5; CPU installs and older triton use the Tr
 
     # triton 3.6 (the GPU box) names the TMA load async_copy_global_to_shared, 3.9 async_load
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # and the warp group's own barrier thread_barrier, 3.9 barrier
+    _group_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover
     HAVE_GLUON = False
@@ -198,6 +200,244 @@ if HAVE_GLUON:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+    # ---- 128-row tiles: two 64-row halves of one expert share each weight tile ----
+
+    @gluon.jit
+    def _pairs_producer(a_desc, b_desc, a0_smem, a1_smem, g_smem, u_smem, ready, empty, off_m, g_row, u_row,
+                        n_steps, STAGES: gl.constexpr, BK: gl.constexpr):
+        """The producer warp: each K step's two 64-row activation tiles and the gate and up weight
+        tiles into the next free stage (free once both consumer groups released it)."""
+        nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
+        for ki in range(n_steps):
+            s = ki % STAGES
+            mbarrier.wait(empty.index(s), ((ki // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            _tma_load(a_desc, [off_m, ki * BK], bar, a0_smem.index(s))
+            _tma_load(a_desc, [off_m + 64, ki * BK], bar, a1_smem.index(s))
+            _tma_load(b_desc, [g_row, ki * BK], bar, g_smem.index(s))
+            _tma_load(b_desc, [u_row, ki * BK], bar, u_smem.index(s))
+
+    @gluon.jit
+    def _stacked_producer(a_desc, h_desc, a0_smem, a1_smem, b_smem, ready, empty, off_m, off_n, n_steps,
+                          N: gl.constexpr, STAGES: gl.constexpr):
+        """The producer warp, for each half of the program's 128 columns of h and each K step: the two
+        64-row activation tiles and one [128, 128] weight tile, the 64 gate rows of those columns
+        over their 64 up rows (two TMA loads into its halves)."""
+        BK: gl.constexpr = 128
+        nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * h_desc.block_type.nbytes
+        for j in gl.static_range(2):
+            for ki in range(n_steps):
+                it = j * n_steps + ki
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, nbytes)
+                _tma_load(a_desc, [off_m, ki * BK], bar, a0_smem.index(s))
+                _tma_load(a_desc, [off_m + 64, ki * BK], bar, a1_smem.index(s))
+                b = b_smem.index(s)
+                _tma_load(h_desc, [off_n + 64 * j, ki * BK], bar, b.slice(0, 64))
+                _tma_load(h_desc, [N + off_n + 64 * j, ki * BK], bar, b.slice(64, 64))
+
+    @gluon.jit
+    def _stacked_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, j, STAGES: gl.constexpr,
+                      layout: gl.constexpr):
+        """One 64-column half: [64, 128] = the gate (columns 0-63) and up (64-127) products of this
+        group's rows, each K step scaled by the row's activation scale times the column's weight scale."""
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+        acc = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+        p = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+        for ki in range(n_steps):
+            it = j * n_steps + ki
+            s = it % STAGES
+            sa = gl.load(a_scales + ki)
+            sb = gl.where(cols < 64, gl.load(sg_ptr + ki), gl.load(su_ptr + ki))
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            p = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
+            p = warpgroup_mma_wait(0, deps=(p, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc += p * (sa[:, None] * sb[None, :])
+        return acc
+
+    @gluon.jit
+    def _stacked_act(acc, epi_smem, alpha, limit, beta, ACT: gl.constexpr, half: gl.constexpr):
+        """h of one half: the gate and up columns (rounded to bf16 as the eager MLP does) split through
+        shared memory, SwiGLU-OAI / SiLU, rounded to bf16; float32 [64, 64] in layout `half`."""
+        _group_barrier()  # the last half's reads of epi_smem are done
+        epi_smem.store(acc.to(gl.bfloat16))
+        _group_barrier()
+        g = epi_smem.slice(0, 64, dim=1).load(half).to(gl.float32)
+        u = epi_smem.slice(64, 64, dim=1).load(half).to(gl.float32)
+        if ACT == 0:  # SwiGLU-OAI
+            g = gl.minimum(g, limit)
+            u = gl.minimum(gl.maximum(u, -limit), limit)
+            h = (u + beta) * (g / (1.0 + gl.exp(-(g * alpha))))
+        else:  # SiLU-gated
+            h = g / (1.0 + gl.exp(-g)) * u
+        return h.to(gl.bfloat16).to(gl.float32)
+
+    @gluon.jit
+    def _stacked_consumer(a_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi_smem, park_smem, off_m, off_n,
+                          pid_n, n_steps, live, N: gl.constexpr, K: gl.constexpr, alpha, limit, beta,
+                          ACT: gl.constexpr, STAGES: gl.constexpr):
+        """One warp group's 64 rows of the program's [128, 128] tile of h, in two halves of 64 columns
+        (the first half's h parked in shared memory), then the 1 x 128 quantization over both. A group
+        whose rows are all padding only releases the stages."""
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+        half: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                              order=[1, 0])
+        if live:
+            rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+            a_scales = xs_ptr + rows.to(gl.int64) * (K // 128)
+            sg_ptr = ws + (off_n // 128) * (K // 128)
+            su_ptr = ws + ((N + off_n) // 128) * (K // 128)
+            acc = _stacked_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, 0, STAGES, layout)
+            h0 = _stacked_act(acc, epi_smem, alpha, limit, beta, ACT, half)
+            park_smem.store(h0)
+            acc = _stacked_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, 1, STAGES, layout)
+            h1 = _stacked_act(acc, epi_smem, alpha, limit, beta, ACT, half)
+            h0 = park_smem.load(half)
+            # 1 x 128 quantization over both halves: power-of-two scale from the exponent bits
+            amax = gl.maximum(gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1)), 1e-30)
+            v = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, amax.type.layout))
+            vb = v.to(gl.int32, bitcast=True)
+            ex = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(gl.int32)
+            scale = (ex << 23).to(gl.float32, bitcast=True)
+            inv = ((254 - ex) << 23).to(gl.float32, bitcast=True)
+            q0 = gl.minimum(gl.maximum(h0 * inv[:, None], -448.0), 448.0)
+            q1 = gl.minimum(gl.maximum(h1 * inv[:, None], -448.0), 448.0)
+            out_rows = (off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, half))).to(gl.int64)
+            cols = off_n + gl.arange(0, 64, layout=gl.SliceLayout(0, half))
+            gl.store(h_ptr + out_rows[:, None] * N + cols[None, :], q0.to(gl.float8e4nv))
+            gl.store(h_ptr + out_rows[:, None] * N + (cols + 64)[None, :], q1.to(gl.float8e4nv))
+            gl.store(hs_ptr + out_rows * (N // 128) + pid_n, scale)
+        else:
+            for it in range(2 * n_steps):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                mbarrier.arrive(empty.index(s), count=1)
+
+    @gluon.jit
+    def _gate_up_pairs_kernel(x_ptr, xs_ptr, w_table, ws_table, block_expert, sorted_pair, h_ptr, hs_ptr,
+                              rows_total, n_local, num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr,
+                              K: gl.constexpr, ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """gate_up + act of one [128, 128] tile of h: warp group 0 rows 0-63, group 1 rows 64-127, both
+        from the same [128, 128] weight tiles (gate over up, 64 columns of h at a time)."""
+        BK: gl.constexpr = 128
+        pid_m, pid_n = _tile_of(gl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
+        e = gl.load(block_expert + pid_m)
+        active = e < n_local
+        e = gl.minimum(e, n_local - 1)  # idle blocks run no K step and store nothing
+        n_steps = gl.where(active, K // BK, 0)
+        off_m = pid_m * 128
+        # an expert's rows come first in its run, so a second half that starts with padding is all padding
+        second = active & (gl.load(sorted_pair + off_m + 64) >= 0)
+        w = gl.load(w_table + e).to(gl.pointer_type(gl.float8e4nv))
+        ws = gl.load(ws_table + e).to(gl.pointer_type(gl.float32))
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        a_desc = tma.make_tensor_descriptor(x_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
+                                            layout=smem_layout)
+        h_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[64, BK],
+                                            layout=smem_layout)
+        a0_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
+        a1_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
+        b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], smem_layout)
+        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        epi0 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
+        epi1 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
+        park0 = gl.allocate_shared_memory(gl.float32, [64, 64], plain)
+        park1 = gl.allocate_shared_memory(gl.float32, [64, 64], plain)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        off_n = pid_n * 128
+        gl.warp_specialize([
+            (_stacked_consumer, (a0_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi0, park0, off_m, off_n,
+                                 pid_n, n_steps, active, N, K, alpha, limit, beta, ACT, STAGES)),
+            (_stacked_consumer, (a1_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi1, park1, off_m + 64,
+                                 off_n, pid_n, n_steps, second, N, K, alpha, limit, beta, ACT, STAGES)),
+            (_stacked_producer, (a_desc, h_desc, a0_smem, a1_smem, b_smem, ready, empty, off_m, off_n, n_steps, N,
+                                 STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    @gluon.jit
+    def _pairs_consumer_bf16(a_smem, g_smem, u_smem, ready, empty, h_ptr, off_m, off_n, n_steps, live,
+                             N: gl.constexpr, alpha, limit, beta, ACT: gl.constexpr, STAGES: gl.constexpr):
+        """The BF16 form of _pairs_consumer: no block scales, so both products accumulate in place
+        (2 x 64 registers a thread), and h is stored in bf16."""
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+        if live:
+            acc_g = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+            acc_u = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+            for ki in range(n_steps):
+                s = ki % STAGES
+                mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
+                a = a_smem.index(s)
+                acc_g = warpgroup_mma(a, g_smem.index(s).permute((1, 0)), acc_g, is_async=True)
+                acc_u = warpgroup_mma(a, u_smem.index(s).permute((1, 0)), acc_u, is_async=True)
+                acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
+                mbarrier.arrive(empty.index(s), count=1)
+            g = acc_g.to(gl.bfloat16).to(gl.float32)  # the eager MLP rounds gate/up to bf16 first
+            u = acc_u.to(gl.bfloat16).to(gl.float32)
+            if ACT == 0:  # SwiGLU-OAI
+                g = gl.minimum(g, limit)
+                u = gl.minimum(gl.maximum(u, -limit), limit)
+                h = (u + beta) * (g / (1.0 + gl.exp(-(g * alpha))))
+            else:  # SiLU-gated
+                h = g / (1.0 + gl.exp(-g)) * u
+            rows = (off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))).to(gl.int64)
+            cols = off_n + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+            gl.store(h_ptr + rows[:, None] * N + cols[None, :], h.to(gl.bfloat16))
+        else:
+            for ki in range(n_steps):
+                s = ki % STAGES
+                mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
+                mbarrier.arrive(empty.index(s), count=1)
+
+    @gluon.jit
+    def _gate_up_pairs_bf16_kernel(x_ptr, w_table, block_expert, sorted_pair, h_ptr, rows_total, n_local,
+                                   num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr, K: gl.constexpr,
+                                   ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                   num_warps: gl.constexpr):
+        """_gate_up_pairs_kernel for BF16 experts: K steps of 64 (128-byte rows, as FP8's 128)."""
+        BK: gl.constexpr = 64
+        pid_m, pid_n = _tile_of(gl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
+        e = gl.load(block_expert + pid_m)
+        active = e < n_local
+        e = gl.minimum(e, n_local - 1)
+        n_steps = gl.where(active, K // BK, 0)
+        off_m = pid_m * 128
+        second = active & (gl.load(sorted_pair + off_m + 64) >= 0)
+        w = gl.load(w_table + e).to(gl.pointer_type(gl.bfloat16))
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        a_desc = tma.make_tensor_descriptor(x_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
+                                            layout=smem_layout)
+        w_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[128, BK],
+                                            layout=smem_layout)
+        a0_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 64, BK], smem_layout)
+        a1_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 64, BK], smem_layout)
+        g_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BK], smem_layout)
+        u_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, BK], smem_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        off_n = pid_n * 128
+        gl.warp_specialize([
+            (_pairs_consumer_bf16, (a0_smem, g_smem, u_smem, ready, empty, h_ptr, off_m, off_n, n_steps, active, N,
+                                    alpha, limit, beta, ACT, STAGES)),
+            (_pairs_consumer_bf16, (a1_smem, g_smem, u_smem, ready, empty, h_ptr, off_m + 64, off_n, n_steps, second,
+                                    N, alpha, limit, beta, ACT, STAGES)),
+            (_pairs_producer, (a_desc, w_desc, a0_smem, a1_smem, g_smem, u_smem, ready, empty, off_m, off_n,
+                               N + off_n, n_steps, STAGES, BK)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
 # Launch config, measured on one H200 (docs/kernel-notes.md#moe-in-gluon): the alignment's
 # row blocks of 64 rows (one expert each), 4 pipeline stages, registers per thread of the
 # consumer warp groups and of the producer warp.
@@ -223,3 +463,53 @@ def gate_up_act(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_t
         xg, xsg, w_table, ws_table, block_expert, h, hs, rows, n_local, num_m, n_tiles, alpha, limit, beta,
         N=n, K=k, ACT=act, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, **CONFIG)
     return h, hs
+
+
+# 128-row tiles (gate_up_act_pairs): each stage holds two 64-row activation tiles and the gate and
+# up weight tiles (48 KB), 4 stages in the 227 KB of shared memory.
+PAIRS_BLOCK_M = 128
+PAIRS_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 232, "PRODUCER_REGS": 40}
+# BF16: 48 KB stages as well (two 64 x 64 activation tiles, two 128 x 64 weight tiles)
+PAIRS_BF16_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 232, "PRODUCER_REGS": 40}
+
+
+def gate_up_act_pairs(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_table: torch.Tensor,
+                      block_expert: torch.Tensor, sorted_pair: torch.Tensor, num_m: int, n_local: int, n: int,
+                      act: int, alpha: float, limit: float, beta: float,
+                      group_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up_act over 128-row blocks (the experts' runs padded to 128): one weight-tile load per
+    128 rows instead of per 64. sorted_pair marks the padding rows (-1): a block's second half
+    that holds none of its expert's rows is skipped, so the padding costs no more products than
+    in 64-row blocks."""
+    rows, k = xg.shape
+    if rows != num_m * PAIRS_BLOCK_M or n % 128 or k % 128 or sorted_pair.numel() < rows:
+        raise ValueError(f"moe_gluon.gate_up_act_pairs: {rows} rows for {num_m} blocks of {PAIRS_BLOCK_M} "
+                         f"({sorted_pair.numel()} sorted rows), n {n}, K {k} (whole blocks and 128-wide tiles needed)")
+    _ensure_allocator()
+    h = torch.empty(rows, n, dtype=xg.dtype, device=xg.device)
+    hs = torch.empty(rows, n // 128, dtype=torch.float32, device=xg.device)
+    n_tiles = n // 128
+    _gate_up_pairs_kernel[(num_m * n_tiles,)](
+        xg, xsg, w_table, ws_table, block_expert, sorted_pair, h, hs, rows, n_local, num_m, n_tiles, alpha, limit,
+        beta, N=n, K=k, ACT=act, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, **PAIRS_CONFIG)
+    return h, hs
+
+
+def gate_up_act_pairs_bf16(xg: torch.Tensor, w_table: torch.Tensor, block_expert: torch.Tensor,
+                           sorted_pair: torch.Tensor, num_m: int, n_local: int, n: int, act: int, alpha: float,
+                           limit: float, beta: float, group_m: int) -> torch.Tensor:
+    """gate_up_act_pairs for BF16 experts: h [rows, n] bf16 (what the Triton down kernel reads at
+    BLOCK_M 128, the BF16 prefill tiles) of the sorted rows xg [rows, K] bf16."""
+    rows, k = xg.shape
+    if xg.dtype != torch.bfloat16 or rows != num_m * PAIRS_BLOCK_M or n % 128 or k % 64 \
+            or sorted_pair.numel() < rows:
+        raise ValueError(f"moe_gluon.gate_up_act_pairs_bf16: {xg.dtype} {rows} rows for {num_m} blocks of "
+                         f"{PAIRS_BLOCK_M} ({sorted_pair.numel()} sorted rows), n {n}, K {k} (bf16, whole blocks, "
+                         "128-wide tiles and 64-wide K steps needed)")
+    _ensure_allocator()
+    h = torch.empty(rows, n, dtype=xg.dtype, device=xg.device)
+    n_tiles = n // 128
+    _gate_up_pairs_bf16_kernel[(num_m * n_tiles,)](
+        xg, w_table, block_expert, sorted_pair, h, rows, n_local, num_m, n_tiles, alpha, limit, beta,
+        N=n, K=k, ACT=act, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, **PAIRS_BF16_CONFIG)
+    return h

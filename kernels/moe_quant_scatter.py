@@ -11,7 +11,7 @@ per token quantizes its row (the math of norm_quant_triton.quant_groups, so the 
 scales equal quantize_fp8_triton's bit for bit) and stores it at the sorted row of each of the
 token's pairs (pair_row; -1 = an expert on another rank, skipped); one program per row block
 zeroes the block's padding rows (sorted_pair -1), so the GEMM reads zeros there, never stale
-memory.
+memory. scatter_rows does the same for BF16 experts, without the quantization.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ try:  # optional: CPU installs without Triton never take the Gluon path that nee
 except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
-__all__ = ["quantize_scatter_fp8"]
+__all__ = ["quantize_scatter_fp8", "scatter_rows"]
 
 GROUP = 128  # the 1 x 128 activation quantization group
 CHUNK_GROUPS = 16  # groups per tile: 2048 values, three tiles for M3's 6144-wide rows
@@ -43,22 +43,26 @@ if HAVE_TRITON:
     def _quantize_scatter_kernel(x_ptr, pair_row, sorted_pair, q_ptr, s_ptr, T, rows, n_groups,
                                  stride_x, stride_q, stride_s,
                                  SLOTS: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, ZR: tl.constexpr,
-                                 ZC: tl.constexpr):
+                                 ZC: tl.constexpr, QUANT: tl.constexpr = True):
         pid = tl.program_id(0)
         if pid < T:  # a token: its row quantized once, stored at each pair's sorted row
             token = pid.to(tl.int64)
             for g0 in range(0, n_groups, NG):
                 col = (g0 + tl.arange(0, NG))[:, None] * G + tl.arange(0, G)[None, :]
                 cmask = col < n_groups * G
-                y = tl.load(x_ptr + token * stride_x + col, mask=cmask, other=0.0).to(tl.float32)
-                q, scale = quant_groups(y)
-                q = q.to(q_ptr.dtype.element_ty)
+                y = tl.load(x_ptr + token * stride_x + col, mask=cmask, other=0.0)
+                if QUANT:
+                    q, scale = quant_groups(y.to(tl.float32))
+                    q = q.to(q_ptr.dtype.element_ty)
+                else:  # the rows as they are (BF16 experts)
+                    q = y
                 g = g0 + tl.arange(0, NG)
                 for j in tl.static_range(SLOTS):
                     r = tl.load(pair_row + token * SLOTS + j).to(tl.int64)
                     ok = (col * 0 + r) >= 0  # the interpreter rejects a scalar & tile mask
                     tl.store(q_ptr + r * stride_q + col, q, mask=cmask & ok)
-                    tl.store(s_ptr + r * stride_s + g, scale, mask=(g < n_groups) & ((g * 0 + r) >= 0))
+                    if QUANT:
+                        tl.store(s_ptr + r * stride_s + g, scale, mask=(g < n_groups) & ((g * 0 + r) >= 0))
         else:  # a block of sorted rows: zeros in its padding rows
             r = (pid - T) * ZR + tl.arange(0, ZR)
             pad = (tl.load(sorted_pair + r, mask=r < rows, other=0) < 0) & (r < rows)
@@ -69,16 +73,22 @@ if HAVE_TRITON:
                     cols = c0 + tl.arange(0, ZC)
                     tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], zeros,
                              mask=pad[:, None] & (cols[None, :] < n_groups * G))
-                for g0 in range(0, n_groups, ZC // G):
-                    g = g0 + tl.arange(0, ZC // G)
-                    tl.store(s_ptr + r64[:, None] * stride_s + g[None, :], tl.zeros((ZR, ZC // G), tl.float32),
-                             mask=pad[:, None] & (g[None, :] < n_groups))
+                if QUANT:
+                    for g0 in range(0, n_groups, ZC // G):
+                        g = g0 + tl.arange(0, ZC // G)
+                        tl.store(s_ptr + r64[:, None] * stride_s + g[None, :], tl.zeros((ZR, ZC // G), tl.float32),
+                                 mask=pad[:, None] & (g[None, :] < n_groups))
 
 
 def _outputs(rows: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialized: the kernel writes every row (tests swap in garbage-filled ones to show it)."""
     return (torch.empty(rows, k, dtype=FP8_DTYPE, device=device),
             torch.empty(rows, k // GROUP, dtype=torch.float32, device=device))
+
+
+def _rows_output(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialized, as _outputs."""
+    return torch.empty(rows, k, dtype=dtype, device=device)
 
 
 def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: torch.Tensor, rows: int,
@@ -102,3 +112,25 @@ def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: t
         x, pair_row, sorted_pair, xg, xsg, t, rows, k // GROUP, x.stride(0), xg.stride(0), xsg.stride(0),
         SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS, num_warps=4)
     return xg, xsg
+
+
+def scatter_rows(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: torch.Tensor, rows: int,
+                 slots: int) -> torch.Tensor:
+    """quantize_scatter_fp8 without the quantization (the BF16 experts' input): x [T, K] ->
+    xg [rows, K] in x's dtype, token t's row at each of its pairs' sorted rows, zeros in padding."""
+    t, k = x.shape
+    if k % GROUP:
+        raise ValueError(f"scatter_rows: width {k} is not a multiple of {GROUP}")
+    if pair_row.numel() != t * slots:
+        raise ValueError(f"scatter_rows: {pair_row.numel()} pair rows for {t} tokens x {slots} slots")
+    if sorted_pair.numel() < rows:
+        raise ValueError(f"scatter_rows: {rows} rows asked of {sorted_pair.numel()} sorted rows")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    xg = _rows_output(rows, k, x.dtype, x.device)
+    if t + rows == 0:
+        return xg
+    _quantize_scatter_kernel[(t + triton.cdiv(rows, ZERO_ROWS),)](
+        x, pair_row, sorted_pair, xg, xg, t, rows, k // GROUP, x.stride(0), xg.stride(0), 0,
+        SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS, QUANT=False, num_warps=4)
+    return xg

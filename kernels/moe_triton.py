@@ -75,7 +75,7 @@ from .moe import mega_moe, moe
 from .moe_align_triton import align_by_expert_triton, align_fits
 from .moe_expert_groups import expert_group_table
 from .moe_parallel import mega_moe_reference
-from .moe_quant_scatter import quantize_scatter_fp8
+from .moe_quant_scatter import quantize_scatter_fp8, scatter_rows
 from .moe_reference import MoEWeights, gated_mlp, local_experts_reference, moe_reference
 from .moe_route_triton import route_fits, route_mode, route_triton
 from .norm_quant_triton import quantize_fp8_triton
@@ -687,26 +687,36 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     interp = _interpreting()
     ieee = x.dtype == torch.float32 and not interp  # float32 in, float32 math (Triton's default is TF32)
     upcast = interp and not fp8  # the interpreter's bf16 tl.dot is wrong; its fp8 dot is right
+    if group_m < 0 and not cfg.get("EXPERT_GROUPS"):
+        raise ValueError("grouped_gated_mlp: GROUP_M -1 (groups by expert) needs EXPERT_GROUPS, the largest group")
+    gluon = fp8 and gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared)
+    # gluon128: the Gluon gate/up over 128-row blocks (two 64-row halves per weight tile): the
+    # experts' runs are padded to 128 and the down kernel takes them as 64-row halves
+    pairs = gluon and kernel_options().moe_gemm == "gluon128"
+    bf16_pairs = not fp8 and gluon_bf16_fits(x.device, x.dtype, hidden, cfg, n, n_shared)
+    align_m = moe_gluon.PAIRS_BLOCK_M if pairs else bm
     if single_expert:
         if n_local != 1 or k != 1 or expert_offset != 0:
             raise ValueError("grouped_gated_mlp: single_expert needs one expert, k = 1 and offset 0")
-        al = single_expert_alignment(t, bm, x.device)
+        al = single_expert_alignment(t, align_m, x.device)
     else:
-        al = _align(ids, expert_offset, n_local, bm, shared_id if shared is not None else -2)
+        al = _align(ids, expert_offset, n_local, align_m, shared_id if shared is not None else -2)
     num_m = used_blocks(al, ids.numel())
-    rows = num_m * bm
+    rows = num_m * align_m
     dev = x.device
-    block_expert = al.block_expert
-    if group_m < 0:  # each block's group (first block, size) after the blocks' experts: _tile_of reads it there
-        if not cfg.get("EXPERT_GROUPS"):
-            raise ValueError("grouped_gated_mlp: GROUP_M -1 (groups by expert) needs EXPERT_GROUPS, the largest group")
-        groups = expert_group_table(al.block_expert, num_m, cfg["EXPERT_GROUPS"]).to(al.block_expert.dtype)
-        block_expert = torch.cat([al.block_expert[:num_m], groups.reshape(-1)])
-    gluon = fp8 and gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared)
+    if pairs:
+        gate_up_blocks = _with_groups(al.block_expert, num_m, max(group_m // 2, 1) if group_m > 0 else group_m,
+                                      max(cfg.get("EXPERT_GROUPS", 2) // 2, 1))
+        block_expert = _halves(al, num_m, n_experts, gate_up_blocks if group_m < 0 else None)
+        num_m = 2 * num_m  # the down kernel's 64-row blocks
+    else:
+        block_expert = _with_groups(al.block_expert, num_m, group_m, cfg.get("EXPERT_GROUPS", 0))
     if gluon:
         # Hopper, FP8 prefill: the warp-specialized Gluon gate/up kernel (kernels/moe_gluon.py) loads
         # whole tiles by TMA, which cannot gather rows: x quantized straight into the sorted order
         xq, xs = quantize_scatter_fp8(x, al.pair_row, al.sorted_pair, rows, k)
+    elif bf16_pairs:  # the Gluon kernel's TMA loads need the rows in sorted order too
+        xq = scatter_rows(x, al.pair_row, al.sorted_pair, rows, k)
     elif fp8:
         # one Triton kernel on the GPU (bit-equal to the reference, tests/test_norm_quant_gpu.py)
         # instead of the reference's ~10 elementwise kernels: at decode sizes launches dominate
@@ -716,14 +726,23 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w13_t, ws13_t = _table(w13), _table(w13_scale, aligned=False)
         w2_t, ws2_t = _table(w2), _table(w2_scale, aligned=False)
     else:
-        xq = x if x.stride(1) == 1 else x.contiguous()  # rows may be strided (a view of a packed gather)
+        if not bf16_pairs:
+            xq = x if x.stride(1) == 1 else x.contiguous()  # rows may be strided (a view of a packed gather)
         xs = x.new_empty(1, 1, dtype=torch.float32)
         w13_t = ws13_t = _table(w13)
         w2_t = ws2_t = _table(w2)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
-    if gluon:
+    if pairs:
+        h, hs = moe_gluon.gate_up_act_pairs(xq, xs, w13_t, ws13_t, gate_up_blocks, al.sorted_pair, num_m // 2,
+                                            n_experts, n, _ACT[kind], float(alpha), float(limit), float(beta),
+                                            max(group_m // 2, 1) if group_m > 0 else group_m)
+    elif gluon:
         h, hs = moe_gluon.gate_up_act(xq, xs, w13_t, ws13_t, block_expert, num_m, n_experts, n,
                                       _ACT[kind], float(alpha), float(limit), float(beta), group_m)
+    elif bf16_pairs:
+        h = moe_gluon.gate_up_act_pairs_bf16(xq, w13_t, block_expert, al.sorted_pair, num_m, n_experts, n,
+                                             _ACT[kind], float(alpha), float(limit), float(beta), group_m)
+        hs = xs
     else:
         h = torch.empty(rows, n_max, dtype=FP8_DTYPE if fp8 else out_dt, device=dev)
         hs = torch.empty(rows, n_max // 128 if fp8 else 1, dtype=torch.float32, device=dev)
@@ -754,6 +773,29 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return out
 
 
+def _with_groups(block_expert: torch.Tensor, num_m: int, group_m: int, cap: int) -> torch.Tensor:
+    """block_expert as the kernels read it: with GROUP_M -1, each block's group (first block, size)
+    after the blocks' experts, where _tile_of finds it."""
+    if group_m >= 0:
+        return block_expert
+    groups = expert_group_table(block_expert, num_m, cap).to(block_expert.dtype)
+    return torch.cat([block_expert[:num_m], groups.reshape(-1)])
+
+
+def _halves(al: Alignment, num_m: int, idle: int, groups: Optional[torch.Tensor]) -> torch.Tensor:
+    """The 64-row blocks of a layout in 128-row blocks (al), as the down kernel reads them: each
+    half's expert, idle where its rows are all padding (an expert's rows come first in its run,
+    so a half is padding when its first row is), and with `groups` (the 128-row blocks as
+    _with_groups made them) each half's group: the same groups, in halves."""
+    half = al.block_m // 2
+    first_rows = al.sorted_pair[: num_m * al.block_m].view(2 * num_m, half)[:, 0]
+    experts = torch.where(first_rows >= 0, al.block_expert[:num_m].repeat_interleave(2), idle)
+    if groups is None:
+        return experts
+    halves = (groups[num_m:].view(num_m, 2) * 2).repeat_interleave(2, dim=0)
+    return torch.cat([experts, halves.reshape(-1)])
+
+
 def gluon_fits(device: torch.device, dtype: torch.dtype, hidden: int, cfg: dict, n: int, n_shared: int) -> bool:
     """Whether the FP8 gate/up GEMM runs as the warp-specialized Gluon kernel (kernels/moe_gluon.py).
 
@@ -771,6 +813,19 @@ def gluon_fits(device: torch.device, dtype: torch.dtype, hidden: int, cfg: dict,
                            f"this is {device} with triton {triton.__version__} "
                            f"(Gluon {'present' if moe_gluon.HAVE_GLUON else 'missing'}): use auto or triton")
     return (cfg["BM"] == moe_gluon.BLOCK_M and n == n_shared and n % 128 == 0 and hidden % 128 == 0
+            and dtype == torch.bfloat16)
+
+
+def gluon_bf16_fits(device: torch.device, dtype: torch.dtype, hidden: int, cfg: dict, n: int, n_shared: int) -> bool:
+    """Whether the BF16 gate/up GEMM runs as the Gluon 128-row kernel (moe_gluon.gate_up_act_pairs_bf16):
+    only under kernel option moe_gemm=gluon128 (an error on a GPU without Gluon), at the BF16 prefill
+    tiles (BLOCK_M 128), routed and shared experts of one width, whole 128-column tiles."""
+    if kernel_options().moe_gemm != "gluon128" or device.type != "cuda":
+        return False
+    if not moe_gluon.gluon_available(device):
+        raise RuntimeError(f"kernel option moe_gemm=gluon128 needs triton's Gluon and an sm_90 (Hopper) GPU; this is "
+                           f"{device} with triton {triton.__version__}: use auto or triton")
+    return (cfg["BM"] == moe_gluon.PAIRS_BLOCK_M and n == n_shared and n % 128 == 0 and hidden % 64 == 0
             and dtype == torch.bfloat16)
 
 

@@ -70,6 +70,24 @@ def test_equals_quantize_then_gather_bit_for_bit(monkeypatch, tokens, width, slo
     assert (xg.view(torch.uint8)[sorted_pair[:rows] < 0] == 0).all()
 
 
+@in_child
+@pytest.mark.parametrize("tokens,width,slots,remote", [(37, 384, 3, 0.0), (5, 6144, 5, 0.2)])
+def test_scatter_rows_moves_the_rows_unchanged(monkeypatch, tokens, width, slots, remote):
+    """The BF16 form (scatter_rows): each token's row at its pairs' sorted rows, bit for bit, zeros in
+    the padding rows (the output starts as NaN)."""
+    from minimax_backend.kernels import moe_quant_scatter
+
+    monkeypatch.setattr(moe_quant_scatter, "_rows_output",
+                        lambda rows, k, dtype, device: torch.full((rows, k), float("nan"), dtype=dtype, device=device))
+    x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+    pair_row, sorted_pair, rows = _layout(tokens, slots, seed=tokens + slots, remote=remote)
+    xg = moe_quant_scatter.scatter_rows(x, pair_row, sorted_pair, rows, slots)
+    pair = sorted_pair[:rows].long()
+    want = x[torch.where(pair >= 0, pair // slots, 0)].clone()
+    want[pair < 0] = 0
+    assert torch.equal(xg, want)
+
+
 def test_bad_shapes_are_named():
     from minimax_backend.kernels.moe_quant_scatter import quantize_scatter_fp8
 

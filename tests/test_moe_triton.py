@@ -798,10 +798,11 @@ def test_where_the_gluon_gate_up_runs(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [999, 1000])  # the FP8 prefill tiles (BLOCK_M 64), an odd count
-def test_gpu_gluon_gate_up_against_cpu_reference(tokens, monkeypatch):
-    """moe_gemm=gluon (kernels/moe_gluon.py) on an sm_90 GPU: the warp-specialized gate/up kernel
-    runs (counted) and the op matches the CPU reference as the Triton kernels do."""
+@pytest.mark.parametrize("tokens", [999, 1000])  # the prefill tiles (FP8 BLOCK_M 64, BF16 128), an odd count
+@pytest.mark.parametrize("gemm, case", [("gluon", "m3_fp8"), ("gluon128", "m3_fp8"), ("gluon128", "m3_bf16")])
+def test_gpu_gluon_gate_up_against_cpu_reference(tokens, gemm, case, monkeypatch):
+    """moe_gemm=gluon / gluon128 (kernels/moe_gluon.py) on an sm_90 GPU: the warp-specialized gate/up
+    kernel runs (counted) and the op matches the CPU reference as the Triton kernels do."""
     import minimax_backend.kernels.moe_gluon as mg
     import minimax_backend.kernels.moe_triton as kt
     from minimax_backend.kernels.options import kernel_options
@@ -809,12 +810,13 @@ def test_gpu_gluon_gate_up_against_cpu_reference(tokens, monkeypatch):
     if not mg.gluon_available(torch.device("cuda")):
         pytest.skip("needs triton's Gluon and an sm_90 GPU")
     launched = []
-    real = mg.gate_up_act
-    monkeypatch.setattr(mg, "gate_up_act", lambda *a, **kw: launched.append(1) or real(*a, **kw))
-    with override_kernel_options(moe_gemm="gluon"):
-        test_gpu_kernels_against_cpu_reference("m3_fp8", tokens)
+    name = {"gluon": "gate_up_act", "gluon128": "gate_up_act_pairs"}[gemm] + ("_bf16" if case == "m3_bf16" else "")
+    real = getattr(mg, name)
+    monkeypatch.setattr(mg, name, lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    with override_kernel_options(moe_gemm=gemm):
+        test_gpu_kernels_against_cpu_reference(case, tokens)
         why = {"options": kernel_options().to_dict(), "same_module": kt.moe_gluon is mg,
-               "tiles": kt.tile_config(tokens, 2, 8, True)}
+               "tiles": kt.tile_config(tokens, 2, 8, case == "m3_fp8")}
     # It stayed empty in the whole suite while the file alone passed (2026-12-02/03): transformers'
     # import had loaded a second copy of our kernels, whose options the override did not reach
     # (fixed; tests/test_import_names.py). Say what was in force if it ever does again
@@ -840,7 +842,8 @@ def test_gpu_gluon_gate_up_equals_the_triton_kernel_bit_for_bit():
               w.num_experts)
     shared = (w.shared_w13, w.shared_w2, w.shared_w13_scale, w.shared_w2_scale)
     out = {}
-    for kernels in ("triton", "gluon"):
+    for kernels in ("triton", "gluon", "gluon128"):
         with override_kernel_options(moe_gemm=kernels):
             out[kernels] = kt.grouped_gated_mlp(x, *common, shared=shared)
     assert torch.equal(out["gluon"], out["triton"])
+    assert torch.equal(out["gluon128"], out["triton"])

@@ -293,6 +293,33 @@ def test_moe_gluon_gate_up_compiles_warp_specialized_without_spills(width, tmp_p
         assert local_memory_bytes(kernel, tmp_path) == 0, group_m
 
 
+GLUON_PAIRS_SIG = {**GLUON_GATE_UP_SIG, "sorted_pair": "*i32"}
+GLUON_PAIRS_BF16_SIG = {k: v for k, v in GLUON_PAIRS_SIG.items() if k not in ("xs_ptr", "ws_table", "hs_ptr")}
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp8", "bf16"])
+def test_moe_gluon_128_row_gate_up_compiles_warp_specialized(bf16, tmp_path):
+    """The Gluon gate/up over 128-row tiles (kernel option moe_gemm=gluon128) at M3's widths: wgmma,
+    setmaxnreg, shared memory within the H200's, no register spills (FP8: each warp group holds one
+    [64, 128] accumulator of 64 gate and 64 up columns and one product)."""
+    from minimax_backend.kernels import moe_gluon as mg
+
+    if not mg.HAVE_GLUON:
+        pytest.skip(f"triton {triton.__version__} has no Gluon")
+    if bf16:
+        sig = {**GLUON_PAIRS_BF16_SIG, "x_ptr": "*bf16", "h_ptr": "*bf16"}
+        kernel = compiled_gluon_sm90(mg._gate_up_pairs_bf16_kernel, sig,
+                                     dict(N=3072, K=6144, ACT=0, GROUP_M=8, num_warps=4, **mg.PAIRS_BF16_CONFIG), 4)
+    else:
+        kernel = compiled_gluon_sm90(mg._gate_up_pairs_kernel, GLUON_PAIRS_SIG,
+                                     dict(N=3072, K=6144, ACT=0, GROUP_M=-1, num_warps=4, **mg.PAIRS_CONFIG), 4)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
+    assert kernel.metadata.shared <= H200_SHARED_BYTES
+    spilled = local_memory_bytes(kernel, tmp_path)
+    assert spilled == 0, spilled
+
+
 def test_moe_route_and_alignment_kernels_compile(moe):
     from minimax_backend.kernels import moe_align_triton as al
     from minimax_backend.kernels import moe_route_triton as rt
