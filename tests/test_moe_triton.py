@@ -505,6 +505,111 @@ def test_host_side_of_the_gluon_gate_up_equals_the_triton_path(interp, order, mo
     assert torch.equal(out["gluon"], out["triton"])
 
 
+def _gate_up_of_sorted_rows(kt, xg, xsg, w_table, ws_table, halves, n_local, n, act, alpha, limit, beta):
+    """What the Gluon gate/up kernels compute, by the Triton gate/up kernel: h of rows already in
+    sorted order (each row its own pair, k = 1) in 64-row blocks of experts `halves`."""
+    rows, hidden = xg.shape
+    h = torch.full((rows, n), float("nan")).to(xg.dtype)  # rows no block computes stay NaN
+    hs = torch.full((rows, n // 128), float("nan"))
+    num_m, n_tiles = rows // 64, n // 128
+    kt._gate_up_act_kernel[(num_m * n_tiles,)](
+        xg, xsg, w_table, ws_table, torch.arange(rows, dtype=torch.int32), halves, h, hs,
+        hidden, n, n, 1, n_local, num_m, n_tiles, xg.stride(0), xsg.stride(0), h.stride(0), hs.stride(0),
+        alpha, limit, beta, False, ACT=act, FP8=True, OUT_KIND=1, INTERP=True, UPCAST=False, IEEE=False, BM=64,
+        BN=128, BK=128, ONE_DOT=True, GROUP_M=0, num_warps=4, num_stages=2)
+    return h, hs
+
+
+@pytest.mark.parametrize("order", [{"GROUP_M": -1, "EXPERT_GROUPS": 4}, {"GROUP_M": 4}, {"GROUP_M": 0}],
+                         ids=["by_expert", "groups_of_4", "rows_first"])
+def test_host_side_of_the_gluon128_gate_up_equals_the_triton_path(interp, order, monkeypatch):
+    """moe_gemm=gluon / gluon128 on the host: the layout in 64- or 128-row blocks, the rows scattered
+    into it, the down kernel on 64-row blocks (gluon128: the halves of the 128-row blocks, a half
+    with no rows idle, the groups halved) and the combine. The Gluon gate/up (sm_90 only) is
+    replaced by the Triton gate/up kernel over the same sorted rows; the rows gluon128 skips (halves
+    of padding) stay NaN. Expert 6 takes every token (201 rows: two 128-row blocks, the second
+    with 9 rows in its second half), the shared expert too; the other slot spreads, 3 experts idle.
+    The output equals the Triton path's bit for bit."""
+    import minimax_backend.kernels.moe_gluon as mg
+
+    kt = interp
+    w = R.MoEWeights(*K.block_op_args(_block(tiny_m3_clamping, torch.bfloat16, True)))
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(201, 256, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.full((201,), 6), torch.randint(0, 5, (201,), generator=g)], 1)
+    tw = torch.rand(201, 2, generator=g)
+    shared = (w.shared_w13, w.shared_w2, w.shared_w13_scale, w.shared_w2_scale)
+    cfg = {"BM": 64, "BN": 128, "BK": 128, "BN_DOWN": 128, "num_warps": 4, "num_stages": 2, "ONE_DOT": True,
+           **order}
+    seen = []
+
+    def gate_up_64(xg, xsg, w_t, ws_t, blocks, num_m, n_local, n, act, alpha, limit, beta, group_m):
+        seen.append(("gluon", num_m, group_m))
+        return _gate_up_of_sorted_rows(kt, xg, xsg, w_t, ws_t, blocks[:num_m], n_local, n, act, alpha, limit, beta)
+
+    def gate_up_128(xg, xsg, w_t, ws_t, blocks, sorted_pair, num_m, n_local, n, act, alpha, limit, beta, group_m):
+        seen.append(("gluon128", num_m, group_m))
+        first_rows = sorted_pair[: num_m * 128].view(2 * num_m, 64)[:, 0]
+        halves = torch.where(first_rows >= 0, blocks[:num_m].repeat_interleave(2), n_local).to(torch.int32)
+        return _gate_up_of_sorted_rows(kt, xg, xsg, w_t, ws_t, halves, n_local, n, act, alpha, limit, beta)
+
+    monkeypatch.setattr(mg, "gate_up_act", gate_up_64)
+    monkeypatch.setattr(mg, "gate_up_act_pairs", gate_up_128)
+    monkeypatch.setattr(kt, "quantize_scatter_fp8", _scatter_by_torch)
+    out = {}
+    for gemm in ("triton", "gluon", "gluon128"):
+        monkeypatch.setattr(kt, "gluon_fits", lambda *a, _on=gemm != "triton": _on)
+        with override_kernel_options(moe_gemm=gemm):
+            out[gemm] = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, w.w13_scale, w.w2_scale, 0, "swigluoai",
+                                             w.alpha, w.limit, w.beta, w.num_experts, cfg, shared=shared)
+    # both Gluon host paths ran, gluon128 on half as many (128-row) blocks, in the halved order
+    want_group = {-1: -1, 4: 2, 0: 0}[order["GROUP_M"]]
+    assert [s[0] for s in seen] == ["gluon", "gluon128"] and seen[1][2] == want_group, seen
+    assert not torch.isnan(out["triton"]).any()
+    assert torch.equal(out["gluon"], out["triton"])
+    assert torch.equal(out["gluon128"], out["triton"])
+
+
+def test_host_side_of_the_bf16_gluon_gate_up_equals_the_triton_path(interp, monkeypatch):
+    """moe_gemm=gluon128 with BF16 experts on the host: the rows moved into the sorted layout
+    (scatter_rows), the Gluon gate/up (replaced by the Triton gate/up kernel over those rows, as in
+    the FP8 test above) and the Triton down kernel at BLOCK_M 128: the Triton path's bits."""
+    import minimax_backend.kernels.moe_gluon as mg
+
+    kt = interp
+    w = R.MoEWeights(*K.block_op_args(_block(tiny_m3_clamping, torch.bfloat16, False)))
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(201, 256, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.full((201,), 6), torch.randint(0, 5, (201,), generator=g)], 1)
+    tw = torch.rand(201, 2, generator=g)
+    shared = (w.shared_w13, w.shared_w2, None, None)
+    cfg = {"BM": 128, "BN": 128, "BK": 64, "BN_DOWN": 128, "num_warps": 4, "num_stages": 2, "ONE_DOT": True,
+           "GROUP_M": 8}
+    seen = []
+
+    def gate_up(xg, w_t, blocks, sorted_pair, num_m, n_local, n, act, alpha, limit, beta, group_m):
+        seen.append((num_m, group_m))
+        rows, hidden = xg.shape
+        h = torch.full((rows, n), float("nan")).to(xg.dtype)
+        kt._gate_up_act_kernel[(num_m * (n // 128),)](
+            xg, xg, w_t, w_t, torch.arange(rows, dtype=torch.int32), blocks, h, h,
+            hidden, n, n, 1, n_local, num_m, n // 128, xg.stride(0), 0, h.stride(0), 0,
+            alpha, limit, beta, False, ACT=act, FP8=False, OUT_KIND=1, INTERP=True, UPCAST=True, IEEE=False, BM=128,
+            BN=128, BK=64, ONE_DOT=True, GROUP_M=group_m, num_warps=4, num_stages=2)
+        return h
+
+    monkeypatch.setattr(mg, "gate_up_act_pairs_bf16", gate_up)
+    out = {}
+    for gemm in ("triton", "gluon128"):
+        monkeypatch.setattr(kt, "gluon_bf16_fits", lambda *a, _on=gemm != "triton": _on)
+        with override_kernel_options(moe_gemm=gemm):
+            out[gemm] = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, None, None, 0, "swigluoai", w.alpha, w.limit,
+                                             w.beta, w.num_experts, cfg, shared=shared)
+    assert len(seen) == 1 and seen[0][1] == 8, seen
+    assert not torch.isnan(out["triton"]).any()
+    assert torch.equal(out["gluon128"], out["triton"])
+
+
 def test_gate_up_and_order_switches_reach_the_kernel(interp, monkeypatch):
     """tile_config's table picks the product's shape and the program order by size (one
     product, grouped order at prefill sizes); the kernel options pin either way."""
