@@ -219,55 +219,23 @@ if HAVE_GLUON:
             _tma_load(b_desc, [u_row, ki * BK], bar, u_smem.index(s))
 
     @gluon.jit
-    def _stacked_producer(a_desc, h_desc, a0_smem, a1_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                          N: gl.constexpr, STAGES: gl.constexpr):
-        """The producer warp, for each half of the program's 128 columns of h and each K step: the two
-        64-row activation tiles and one [128, 128] weight tile, the 64 gate rows of those columns
-        over their 64 up rows (two TMA loads into its halves)."""
-        BK: gl.constexpr = 128
-        nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + 2 * h_desc.block_type.nbytes
-        for j in gl.static_range(2):
-            for ki in range(n_steps):
-                it = j * n_steps + ki
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, nbytes)
-                _tma_load(a_desc, [off_m, ki * BK], bar, a0_smem.index(s))
-                _tma_load(a_desc, [off_m + 64, ki * BK], bar, a1_smem.index(s))
-                b = b_smem.index(s)
-                _tma_load(h_desc, [off_n + 64 * j, ki * BK], bar, b.slice(0, 64))
-                _tma_load(h_desc, [N + off_n + 64 * j, ki * BK], bar, b.slice(64, 64))
+    def _quarter_product(a, b, p, acc, scale):
+        """acc + (a @ b^T) * scale for one [64, 64] quarter: the product alone in p (32 registers a
+        thread), so a warp group holds its four accumulators and one product at a time."""
+        p = warpgroup_mma(a, b.permute((1, 0)), p, use_acc=True, is_async=True)
+        p = warpgroup_mma_wait(0, deps=(p, ))
+        acc = acc + p * scale
+        # the next product starts from zeros that depend on this scaling, so the compiler cannot
+        # issue it early and hold two products (it spilled the accumulators when it did)
+        p = acc * 0.0
+        return acc, p
 
     @gluon.jit
-    def _stacked_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, j, STAGES: gl.constexpr,
-                      layout: gl.constexpr):
-        """One 64-column half: [64, 128] = the gate (columns 0-63) and up (64-127) products of this
-        group's rows, each K step scaled by the row's activation scale times the column's weight scale."""
-        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
-        acc = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
-        p = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
-        for ki in range(n_steps):
-            it = j * n_steps + ki
-            s = it % STAGES
-            sa = gl.load(a_scales + ki)
-            sb = gl.where(cols < 64, gl.load(sg_ptr + ki), gl.load(su_ptr + ki))
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            p = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
-            p = warpgroup_mma_wait(0, deps=(p, ))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc += p * (sa[:, None] * sb[None, :])
-        return acc
-
-    @gluon.jit
-    def _stacked_act(acc, epi_smem, alpha, limit, beta, ACT: gl.constexpr, half: gl.constexpr):
-        """h of one half: the gate and up columns (rounded to bf16 as the eager MLP does) split through
-        shared memory, SwiGLU-OAI / SiLU, rounded to bf16; float32 [64, 64] in layout `half`."""
-        _group_barrier()  # the last half's reads of epi_smem are done
-        epi_smem.store(acc.to(gl.bfloat16))
-        _group_barrier()
-        g = epi_smem.slice(0, 64, dim=1).load(half).to(gl.float32)
-        u = epi_smem.slice(64, 64, dim=1).load(half).to(gl.float32)
+    def _act_h(g, u, alpha, limit, beta, ACT: gl.constexpr):
+        """h of a gate and an up tile in float32 (each rounded to bf16 first, as the eager MLP
+        rounds the gate/up GEMM), rounded to bf16."""
+        g = g.to(gl.bfloat16).to(gl.float32)
+        u = u.to(gl.bfloat16).to(gl.float32)
         if ACT == 0:  # SwiGLU-OAI
             g = gl.minimum(g, limit)
             u = gl.minimum(gl.maximum(u, -limit), limit)
@@ -277,44 +245,57 @@ if HAVE_GLUON:
         return h.to(gl.bfloat16).to(gl.float32)
 
     @gluon.jit
-    def _stacked_consumer(a_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi_smem, park_smem, off_m, off_n,
-                          pid_n, n_steps, live, N: gl.constexpr, K: gl.constexpr, alpha, limit, beta,
-                          ACT: gl.constexpr, STAGES: gl.constexpr):
-        """One warp group's 64 rows of the program's [128, 128] tile of h, in two halves of 64 columns
-        (the first half's h parked in shared memory), then the 1 x 128 quantization over both. A group
-        whose rows are all padding only releases the stages."""
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
-        half: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                              order=[1, 0])
+    def _quarters_consumer(a_smem, g_smem, u_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, off_m, off_n, pid_n,
+                           n_steps, live, N: gl.constexpr, K: gl.constexpr, alpha, limit, beta, ACT: gl.constexpr,
+                           STAGES: gl.constexpr):
+        """One warp group's 64 rows of the program's [128, 128] tile of h: per K step four [64, 64]
+        products (gate and up, each in two column halves) from the stage's shared weight tiles,
+        each scaled into its accumulator (4 x 32 registers), then SwiGLU and the 1 x 128
+        quantization in registers (gate and up column j lie in the same thread). A group whose
+        rows are all padding only releases the stages."""
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
         if live:
             rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             a_scales = xs_ptr + rows.to(gl.int64) * (K // 128)
-            sg_ptr = ws + (off_n // 128) * (K // 128)
-            su_ptr = ws + ((N + off_n) // 128) * (K // 128)
-            acc = _stacked_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, 0, STAGES, layout)
-            h0 = _stacked_act(acc, epi_smem, alpha, limit, beta, ACT, half)
-            park_smem.store(h0)
-            acc = _stacked_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, 1, STAGES, layout)
-            h1 = _stacked_act(acc, epi_smem, alpha, limit, beta, ACT, half)
-            h0 = park_smem.load(half)
+            g_scales = ws + (off_n // 128) * (K // 128)
+            u_scales = ws + ((N + off_n) // 128) * (K // 128)
+            g0 = gl.zeros((64, 64), dtype=gl.float32, layout=layout)
+            g1 = gl.zeros((64, 64), dtype=gl.float32, layout=layout)
+            u0 = gl.zeros((64, 64), dtype=gl.float32, layout=layout)
+            u1 = gl.zeros((64, 64), dtype=gl.float32, layout=layout)
+            p = gl.zeros((64, 64), dtype=gl.float32, layout=layout)
+            for ki in range(n_steps):
+                s = ki % STAGES
+                sa = gl.load(a_scales + ki)
+                sg = (sa * gl.load(g_scales + ki))[:, None]
+                su = (sa * gl.load(u_scales + ki))[:, None]
+                mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
+                a = a_smem.index(s)
+                g = g_smem.index(s)
+                u = u_smem.index(s)
+                g0, p = _quarter_product(a, g.slice(0, 64), p, g0, sg)
+                g1, p = _quarter_product(a, g.slice(64, 64), p, g1, sg)
+                u0, p = _quarter_product(a, u.slice(0, 64), p, u0, su)
+                u1, p = _quarter_product(a, u.slice(64, 64), p, u1, su)
+                mbarrier.arrive(empty.index(s), count=1)
+            h0 = _act_h(g0, u0, alpha, limit, beta, ACT)
+            h1 = _act_h(g1, u1, alpha, limit, beta, ACT)
             # 1 x 128 quantization over both halves: power-of-two scale from the exponent bits
             amax = gl.maximum(gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1)), 1e-30)
             v = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, amax.type.layout))
             vb = v.to(gl.int32, bitcast=True)
             ex = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(gl.int32)
             scale = (ex << 23).to(gl.float32, bitcast=True)
-            inv = ((254 - ex) << 23).to(gl.float32, bitcast=True)
-            q0 = gl.minimum(gl.maximum(h0 * inv[:, None], -448.0), 448.0)
-            q1 = gl.minimum(gl.maximum(h1 * inv[:, None], -448.0), 448.0)
-            out_rows = (off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, half))).to(gl.int64)
-            cols = off_n + gl.arange(0, 64, layout=gl.SliceLayout(0, half))
-            gl.store(h_ptr + out_rows[:, None] * N + cols[None, :], q0.to(gl.float8e4nv))
-            gl.store(h_ptr + out_rows[:, None] * N + (cols + 64)[None, :], q1.to(gl.float8e4nv))
-            gl.store(hs_ptr + out_rows * (N // 128) + pid_n, scale)
+            inv = ((254 - ex) << 23).to(gl.float32, bitcast=True)[:, None]
+            out_rows = rows.to(gl.int64)[:, None] * N
+            cols = off_n + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))[None, :]
+            gl.store(h_ptr + out_rows + cols, gl.minimum(gl.maximum(h0 * inv, -448.0), 448.0).to(gl.float8e4nv))
+            gl.store(h_ptr + out_rows + (cols + 64), gl.minimum(gl.maximum(h1 * inv, -448.0), 448.0).to(gl.float8e4nv))
+            gl.store(hs_ptr + rows.to(gl.int64) * (N // 128) + pid_n, scale)
         else:
-            for it in range(2 * n_steps):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            for ki in range(n_steps):
+                s = ki % STAGES
+                mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
                 mbarrier.arrive(empty.index(s), count=1)
 
     @gluon.jit
@@ -322,8 +303,8 @@ if HAVE_GLUON:
                               rows_total, n_local, num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr,
                               K: gl.constexpr, ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
-        """gate_up + act of one [128, 128] tile of h: warp group 0 rows 0-63, group 1 rows 64-127, both
-        from the same [128, 128] weight tiles (gate over up, 64 columns of h at a time)."""
+        """gate_up + act of one [128, 128] tile of h: warp group 0 rows 0-63, group 1 rows 64-127,
+        both from the same [128, 128] gate and up weight tiles (one load per 128 rows)."""
         BK: gl.constexpr = 128
         pid_m, pid_n = _tile_of(gl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
         e = gl.load(block_expert + pid_m)
@@ -338,16 +319,12 @@ if HAVE_GLUON:
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         a_desc = tma.make_tensor_descriptor(x_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
-        h_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[64, BK],
+        w_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[128, BK],
                                             layout=smem_layout)
         a0_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
         a1_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
-        b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], smem_layout)
-        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        epi0 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
-        epi1 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
-        park0 = gl.allocate_shared_memory(gl.float32, [64, 64], plain)
-        park1 = gl.allocate_shared_memory(gl.float32, [64, 64], plain)
+        g_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], smem_layout)
+        u_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], smem_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
@@ -355,12 +332,12 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(s), count=2)
         off_n = pid_n * 128
         gl.warp_specialize([
-            (_stacked_consumer, (a0_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi0, park0, off_m, off_n,
-                                 pid_n, n_steps, active, N, K, alpha, limit, beta, ACT, STAGES)),
-            (_stacked_consumer, (a1_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi1, park1, off_m + 64,
-                                 off_n, pid_n, n_steps, second, N, K, alpha, limit, beta, ACT, STAGES)),
-            (_stacked_producer, (a_desc, h_desc, a0_smem, a1_smem, b_smem, ready, empty, off_m, off_n, n_steps, N,
-                                 STAGES)),
+            (_quarters_consumer, (a0_smem, g_smem, u_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, off_m, off_n,
+                                  pid_n, n_steps, active, N, K, alpha, limit, beta, ACT, STAGES)),
+            (_quarters_consumer, (a1_smem, g_smem, u_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, off_m + 64,
+                                  off_n, pid_n, n_steps, second, N, K, alpha, limit, beta, ACT, STAGES)),
+            (_pairs_producer, (a_desc, w_desc, a0_smem, a1_smem, g_smem, u_smem, ready, empty, off_m, off_n,
+                               N + off_n, n_steps, STAGES, BK)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     @gluon.jit
