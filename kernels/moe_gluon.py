@@ -254,6 +254,7 @@ if HAVE_GLUON:
         quantization in registers (gate and up column j lie in the same thread). A group whose
         rows are all padding only releases the stages."""
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=4)
         if live:
             rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             a_scales = xs_ptr + rows.to(gl.int64) * (K // 128)
@@ -270,7 +271,7 @@ if HAVE_GLUON:
                 sg = (sa * gl.load(g_scales + ki))[:, None]
                 su = (sa * gl.load(u_scales + ki))[:, None]
                 mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
-                a = a_smem.index(s)
+                a = a_smem.index(s).load(a_layout)  # in registers once for the four products
                 g = g_smem.index(s)
                 u = u_smem.index(s)
                 g0, p = _quarter_product(a, g.slice(0, 64), p, g0, sg)
