@@ -219,9 +219,8 @@ if HAVE_GLUON:
             _tma_load(b_desc, [u_row, ki * BK], bar, u_smem.index(s))
 
     @gluon.jit
-    def _quarter_product(a, b, p, acc, scale):
-        """acc + (a @ b^T) * scale for one [64, 64] quarter: the product alone in p (32 registers a
-        thread), so a warp group holds its four accumulators and one product at a time."""
+    def _scaled_product(a, b, p, acc, scale):
+        """acc + (a @ b^T) * scale: the block's product alone in p, then scaled into acc."""
         p = warpgroup_mma(a, b.permute((1, 0)), p, use_acc=True, is_async=True)
         p = warpgroup_mma_wait(0, deps=(p, ))
         acc = acc + p * scale
@@ -231,68 +230,35 @@ if HAVE_GLUON:
         return acc, p
 
     @gluon.jit
-    def _act_h(g, u, alpha, limit, beta, ACT: gl.constexpr):
-        """h of a gate and an up tile in float32 (each rounded to bf16 first, as the eager MLP
-        rounds the gate/up GEMM), rounded to bf16."""
-        g = g.to(gl.bfloat16).to(gl.float32)
-        u = u.to(gl.bfloat16).to(gl.float32)
-        if ACT == 0:  # SwiGLU-OAI
-            g = gl.minimum(g, limit)
-            u = gl.minimum(gl.maximum(u, -limit), limit)
-            h = (u + beta) * (g / (1.0 + gl.exp(-(g * alpha))))
-        else:  # SiLU-gated
-            h = g / (1.0 + gl.exp(-g)) * u
-        return h.to(gl.bfloat16).to(gl.float32)
-
-    @gluon.jit
-    def _quarters_consumer(a_smem, g_smem, u_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, off_m, off_n, pid_n,
-                           n_steps, live, N: gl.constexpr, K: gl.constexpr, alpha, limit, beta, ACT: gl.constexpr,
-                           STAGES: gl.constexpr):
-        """One warp group's 64 rows of the program's [128, 128] tile of h: per K step four [64, 64]
-        products (gate and up, each in two column halves) from the stage's shared weight tiles,
-        each scaled into its accumulator (4 x 32 registers), then SwiGLU and the 1 x 128
-        quantization in registers (gate and up column j lie in the same thread). A group whose
-        rows are all padding only releases the stages."""
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=4)
+    def _pairs_consumer(a_smem, g_smem, u_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, off_m, off_n, pid_n,
+                        n_steps, live, N: gl.constexpr, K: gl.constexpr, alpha, limit, beta, ACT: gl.constexpr,
+                        STAGES: gl.constexpr):
+        """One warp group's 64 rows of the program's [128, 128] tile of h: per K step the gate and
+        the up product ([64, 128] each) from the stage's shared weight tiles, each scaled into its
+        accumulator (3 x 64 registers a thread with the product), then SwiGLU and the 1 x 128
+        quantization in registers. A group whose rows are all padding only releases the stages."""
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
         if live:
             rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             a_scales = xs_ptr + rows.to(gl.int64) * (K // 128)
             g_scales = ws + (off_n // 128) * (K // 128)
             u_scales = ws + ((N + off_n) // 128) * (K // 128)
-            g0 = gl.zeros((64, 64), dtype=gl.float32, layout=layout)
-            g1 = gl.zeros((64, 64), dtype=gl.float32, layout=layout)
-            u0 = gl.zeros((64, 64), dtype=gl.float32, layout=layout)
-            u1 = gl.zeros((64, 64), dtype=gl.float32, layout=layout)
-            p = gl.zeros((64, 64), dtype=gl.float32, layout=layout)
+            acc_g = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+            acc_u = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+            p = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
             for ki in range(n_steps):
                 s = ki % STAGES
                 sa = gl.load(a_scales + ki)
                 sg = (sa * gl.load(g_scales + ki))[:, None]
                 su = (sa * gl.load(u_scales + ki))[:, None]
                 mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
-                a = a_smem.index(s).load(a_layout)  # in registers once for the four products
-                g = g_smem.index(s)
-                u = u_smem.index(s)
-                g0, p = _quarter_product(a, g.slice(0, 64), p, g0, sg)
-                g1, p = _quarter_product(a, g.slice(64, 64), p, g1, sg)
-                u0, p = _quarter_product(a, u.slice(0, 64), p, u0, su)
-                u1, p = _quarter_product(a, u.slice(64, 64), p, u1, su)
+                a = a_smem.index(s)
+                acc_g, p = _scaled_product(a, g_smem.index(s), p, acc_g, sg)
+                acc_u, p = _scaled_product(a, u_smem.index(s), p, acc_u, su)
                 mbarrier.arrive(empty.index(s), count=1)
-            h0 = _act_h(g0, u0, alpha, limit, beta, ACT)
-            h1 = _act_h(g1, u1, alpha, limit, beta, ACT)
-            # 1 x 128 quantization over both halves: power-of-two scale from the exponent bits
-            amax = gl.maximum(gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1)), 1e-30)
-            v = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, amax.type.layout))
-            vb = v.to(gl.int32, bitcast=True)
-            ex = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(gl.int32)
-            scale = (ex << 23).to(gl.float32, bitcast=True)
-            inv = ((254 - ex) << 23).to(gl.float32, bitcast=True)[:, None]
-            out_rows = rows.to(gl.int64)[:, None] * N
-            cols = off_n + gl.arange(0, 64, layout=gl.SliceLayout(0, layout))[None, :]
-            gl.store(h_ptr + out_rows + cols, gl.minimum(gl.maximum(h0 * inv, -448.0), 448.0).to(gl.float8e4nv))
-            gl.store(h_ptr + out_rows + (cols + 64), gl.minimum(gl.maximum(h1 * inv, -448.0), 448.0).to(gl.float8e4nv))
-            gl.store(hs_ptr + rows.to(gl.int64) * (N // 128) + pid_n, scale)
+            cols = off_n + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+            _act_quant_store(acc_g.to(gl.bfloat16).to(gl.float32), acc_u.to(gl.bfloat16).to(gl.float32), rows, cols,
+                             h_ptr, hs_ptr, pid_n, N, alpha, limit, beta, ACT)
         else:
             for ki in range(n_steps):
                 s = ki % STAGES
@@ -333,9 +299,9 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(s), count=2)
         off_n = pid_n * 128
         gl.warp_specialize([
-            (_quarters_consumer, (a0_smem, g_smem, u_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, off_m, off_n,
+            (_pairs_consumer, (a0_smem, g_smem, u_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, off_m, off_n,
                                   pid_n, n_steps, active, N, K, alpha, limit, beta, ACT, STAGES)),
-            (_quarters_consumer, (a1_smem, g_smem, u_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, off_m + 64,
+            (_pairs_consumer, (a1_smem, g_smem, u_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, off_m + 64,
                                   off_n, pid_n, n_steps, second, N, K, alpha, limit, beta, ACT, STAGES)),
             (_pairs_producer, (a_desc, w_desc, a0_smem, a1_smem, g_smem, u_smem, ready, empty, off_m, off_n,
                                N + off_n, n_steps, STAGES, BK)),
