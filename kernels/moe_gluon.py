@@ -24,6 +24,13 @@ its warp-specialized version measured slower (kernel-notes). It is the default o
 2026-12-03 (kernel option moe_gemm=auto): the layer was 2-4% faster with it at 8192-16384
 tokens, burst and back to back at the card's power limit (docs/kernel-notes.md#moe-at-the-power-limit).
 
+gate_up_act_trio runs the same math over 192-row blocks: three consumer warp groups of 64 rows
+each take the same stacked weight tile (the gate rows of 64 columns of h over their up rows) and
+cover 128 columns of h in two passes, the first pass's h parked in shared memory until the 1 x 128
+quantization. A third group keeps the tensor cores busy while the others scale their products,
+and a weight tile serves 192 rows instead of 64: the layer is 2-6% faster at 8192-16384 tokens,
+and the default there (kernel option moe_gemm=auto; moe_triton.TRIO_MIN_ROWS_PER_EXPERT).
+
 FP8 only, routed and shared experts of one width. The output equals the Triton kernel's bit for
 bit (the same float32 products summed in the same order: tests/test_moe_triton.py).
 """
@@ -40,6 +47,8 @@ try:  # Gluon ships with triton >= 3.5; CPU installs and older triton use the Tr
 
     # triton 3.6 (the GPU box) names the TMA load async_copy_global_to_shared, 3.9 async_load
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # and the warp group's own barrier thread_barrier, 3.9 barrier
+    _group_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover
     HAVE_GLUON = False
@@ -78,24 +87,33 @@ if HAVE_GLUON:
         return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
 
     @gluon.jit
-    def _act_quant_store(g, u, rows, cols, h_ptr, hs_ptr, pid_n, N: gl.constexpr, alpha, limit, beta,
-                         ACT: gl.constexpr):
-        """h = act(gate, up) of one [rows, 128] tile (g and u: float32 holding bf16 values, as the
-        eager MLP rounds the gate/up GEMM first), quantized in 1 x 128 groups and stored."""
+    def _gated_act(g, u, alpha, limit, beta, ACT: gl.constexpr):
+        """h = act(gate, up) (g and u: float32 holding bf16 values, as the eager MLP rounds the
+        gate/up GEMM first), SwiGLU-OAI or SiLU-gated, rounded to bf16."""
         if ACT == 0:  # SwiGLU-OAI
             g = gl.minimum(g, limit)
             u = gl.minimum(gl.maximum(u, -limit), limit)
             h = (u + beta) * (g / (1.0 + gl.exp(-(g * alpha))))
         else:  # SiLU-gated
             h = g / (1.0 + gl.exp(-g)) * u
-        h = h.to(gl.bfloat16).to(gl.float32)
-        # 1 x 128 quantization: power-of-two scale from the exponent bits (as moe_triton)
-        amax = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-30)
+        return h.to(gl.bfloat16).to(gl.float32)
+
+    @gluon.jit
+    def _pow2_scale(amax):
+        """The 1 x 128 quantization's scale of rows with these amax (power-of-two, from the exponent
+        bits, as moe_triton) and its inverse."""
+        amax = gl.maximum(amax, 1e-30)
         v = gl.div_rn(amax, gl.full(amax.shape, 448.0, gl.float32, amax.type.layout))
         vb = v.to(gl.int32, bitcast=True)
         ex = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(gl.int32)
-        scale = (ex << 23).to(gl.float32, bitcast=True)
-        inv = ((254 - ex) << 23).to(gl.float32, bitcast=True)
+        return (ex << 23).to(gl.float32, bitcast=True), ((254 - ex) << 23).to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _act_quant_store(g, u, rows, cols, h_ptr, hs_ptr, pid_n, N: gl.constexpr, alpha, limit, beta,
+                         ACT: gl.constexpr):
+        """h = act(gate, up) of one [rows, 128] tile, quantized in 1 x 128 groups and stored."""
+        h = _gated_act(g, u, alpha, limit, beta, ACT)
+        scale, inv = _pow2_scale(gl.max(gl.abs(h), axis=1))
         q = gl.minimum(gl.maximum(h * inv[:, None], -448.0), 448.0)
         out_rows = rows.to(gl.int64)
         gl.store(h_ptr + out_rows[:, None] * N + cols[None, :], q.to(gl.float8e4nv))
@@ -198,6 +216,151 @@ if HAVE_GLUON:
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
+    # ---- 192-row tiles: three 64-row groups of one expert share each weight tile ----
+
+    @gluon.jit
+    def _trio_producer(a_desc, h_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
+                       N: gl.constexpr, STAGES: gl.constexpr):
+        """The producer warp, for each half of the program's 128 columns of h and each K step: the
+        three 64-row activation tiles and one [128, 128] weight tile, the 64 gate rows of those
+        columns over their 64 up rows (two TMA loads into its halves)."""
+        BK: gl.constexpr = 128
+        nbytes: gl.constexpr = 3 * a_desc.block_type.nbytes + 2 * h_desc.block_type.nbytes
+        for j in gl.static_range(2):
+            for ki in range(n_steps):
+                it = j * n_steps + ki
+                s = it % STAGES
+                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, nbytes)
+                _tma_load(a_desc, [off_m, ki * BK], bar, a0_smem.index(s))
+                _tma_load(a_desc, [off_m + 64, ki * BK], bar, a1_smem.index(s))
+                _tma_load(a_desc, [off_m + 128, ki * BK], bar, a2_smem.index(s))
+                b = b_smem.index(s)
+                _tma_load(h_desc, [off_n + 64 * j, ki * BK], bar, b.slice(0, 64))
+                _tma_load(h_desc, [N + off_n + 64 * j, ki * BK], bar, b.slice(64, 64))
+
+    @gluon.jit
+    def _trio_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, j, STAGES: gl.constexpr,
+                   layout: gl.constexpr):
+        """One 64-column half: [64, 128] = the gate (columns 0-63) and up (64-127) products of this
+        group's rows, each K step scaled by the row's activation scale times the column's weight scale."""
+        gate_cols = (gl.arange(0, 128, layout=gl.SliceLayout(0, layout)) < 64)[None, :]
+        acc = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+        p = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+        for ki in range(n_steps):
+            it = j * n_steps + ki
+            s = it % STAGES
+            sa = gl.load(a_scales + ki)
+            s_gate = (sa * gl.load(sg_ptr + ki))[:, None]
+            s_up = (sa * gl.load(su_ptr + ki))[:, None]
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            p = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
+            p = warpgroup_mma_wait(0, deps=(p, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc += p * gl.where(gate_cols, s_gate, s_up)
+        return acc
+
+    @gluon.jit
+    def _trio_act(acc, epi_smem, alpha, limit, beta, ACT: gl.constexpr, half: gl.constexpr):
+        """h of one half: the gate and up columns (rounded to bf16 as the eager MLP does) split through
+        shared memory, SwiGLU-OAI / SiLU, rounded to bf16; float32 [64, 64] in layout `half`."""
+        _group_barrier()  # the last half's reads of epi_smem are done
+        epi_smem.store(acc.to(gl.bfloat16))
+        _group_barrier()
+        g = epi_smem.slice(0, 64, dim=1).load(half).to(gl.float32)
+        u = epi_smem.slice(64, 64, dim=1).load(half).to(gl.float32)
+        return _gated_act(g, u, alpha, limit, beta, ACT)
+
+    @gluon.jit
+    def _trio_consumer(a_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi_smem, park_smem, off_m, off_n,
+                       pid_n, n_steps, live, N: gl.constexpr, K: gl.constexpr, alpha, limit, beta,
+                       ACT: gl.constexpr, STAGES: gl.constexpr):
+        """One warp group's 64 rows of the program's [192, 128] tile of h, in two halves of 64 columns
+        (the first half's h parked in shared memory as bf16, which it is), then the 1 x 128
+        quantization over both. A group whose rows are all padding only releases the stages."""
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+        half: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                              order=[1, 0])
+        if live:
+            rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+            a_scales = xs_ptr + rows.to(gl.int64) * (K // 128)
+            sg_ptr = ws + (off_n // 128) * (K // 128)
+            su_ptr = ws + ((N + off_n) // 128) * (K // 128)
+            acc = _trio_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, 0, STAGES, layout)
+            h0 = _trio_act(acc, epi_smem, alpha, limit, beta, ACT, half)
+            park_smem.store(h0.to(gl.bfloat16))
+            acc = _trio_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, 1, STAGES, layout)
+            h1 = _trio_act(acc, epi_smem, alpha, limit, beta, ACT, half)
+            h0 = park_smem.load(half).to(gl.float32)
+            # 1 x 128 quantization over both halves
+            scale, inv = _pow2_scale(gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1)))
+            q0 = gl.minimum(gl.maximum(h0 * inv[:, None], -448.0), 448.0)
+            q1 = gl.minimum(gl.maximum(h1 * inv[:, None], -448.0), 448.0)
+            out_rows = (off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, half))).to(gl.int64)
+            cols = off_n + gl.arange(0, 64, layout=gl.SliceLayout(0, half))
+            gl.store(h_ptr + out_rows[:, None] * N + cols[None, :], q0.to(gl.float8e4nv))
+            gl.store(h_ptr + out_rows[:, None] * N + (cols + 64)[None, :], q1.to(gl.float8e4nv))
+            gl.store(hs_ptr + out_rows * (N // 128) + pid_n, scale)
+        else:
+            for it in range(2 * n_steps):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                mbarrier.arrive(empty.index(s), count=1)
+
+    @gluon.jit
+    def _gate_up_trio_kernel(x_ptr, xs_ptr, w_table, ws_table, block_expert, sorted_pair, h_ptr, hs_ptr,
+                              rows_total, n_local, num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr,
+                              K: gl.constexpr, ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """gate_up + act of one [192, 128] tile of h: warp groups 0, 1, 2 rows 0-63, 64-127, 128-191,
+        all from the same [128, 128] weight tiles (gate over up, 64 columns of h at a time)."""
+        BK: gl.constexpr = 128
+        pid_m, pid_n = _tile_of(gl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
+        e = gl.load(block_expert + pid_m)
+        active = e < n_local
+        e = gl.minimum(e, n_local - 1)  # idle blocks run no K step and store nothing
+        n_steps = gl.where(active, K // BK, 0)
+        off_m = pid_m * 192
+        # an expert's rows come first in its run, so a group that starts with padding is all padding
+        second = active & (gl.load(sorted_pair + off_m + 64) >= 0)
+        third = active & (gl.load(sorted_pair + off_m + 128) >= 0)
+        w = gl.load(w_table + e).to(gl.pointer_type(gl.float8e4nv))
+        ws = gl.load(ws_table + e).to(gl.pointer_type(gl.float32))
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        a_desc = tma.make_tensor_descriptor(x_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
+                                            layout=smem_layout)
+        h_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[64, BK],
+                                            layout=smem_layout)
+        a0_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
+        a1_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
+        a2_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
+        b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], smem_layout)
+        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        epi0 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
+        epi1 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
+        epi2 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
+        park0 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], plain)
+        park1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], plain)
+        park2 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], plain)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=3)
+        off_n = pid_n * 128
+        gl.warp_specialize([
+            (_trio_consumer, (a0_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi0, park0, off_m, off_n,
+                              pid_n, n_steps, active, N, K, alpha, limit, beta, ACT, STAGES)),
+            (_trio_consumer, (a1_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi1, park1, off_m + 64,
+                              off_n, pid_n, n_steps, second, N, K, alpha, limit, beta, ACT, STAGES)),
+            (_trio_consumer, (a2_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi2, park2, off_m + 128,
+                              off_n, pid_n, n_steps, third, N, K, alpha, limit, beta, ACT, STAGES)),
+            (_trio_producer, (a_desc, h_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
+                              N, STAGES)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
 # Launch config, measured on one H200 (docs/kernel-notes.md#moe-in-gluon): the alignment's
 # row blocks of 64 rows (one expert each), 4 pipeline stages, registers per thread of the
 # consumer warp groups and of the producer warp.
@@ -222,4 +385,36 @@ def gate_up_act(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_t
     _gate_up_ws_kernel[(num_m * n_tiles,)](
         xg, xsg, w_table, ws_table, block_expert, h, hs, rows, n_local, num_m, n_tiles, alpha, limit, beta,
         N=n, K=k, ACT=act, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, **CONFIG)
+    return h, hs
+
+
+# 192-row tiles (gate_up_act_trio), measured on one H200
+# (docs/kernel-notes.md#three-warp-groups-over-192-row-blocks): each stage holds three 64-row
+# activation tiles and one stacked weight tile (40 KB), 3 stages plus the epilogue buffers in the
+# 227 KB of shared memory; three consumer warp groups and the producer warp fit the register file
+# at 168 and 24 registers a thread.
+TRIO_BLOCK_M = 192
+TRIO_CONFIG = {"STAGES": 3, "CONSUMER_REGS": 168, "PRODUCER_REGS": 24}
+
+
+def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_table: torch.Tensor,
+                     block_expert: torch.Tensor, sorted_pair: torch.Tensor, num_m: int, n_local: int, n: int,
+                     act: int, alpha: float, limit: float, beta: float,
+                     group_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up_act over 192-row blocks (the experts' runs padded to 192): one weight-tile load per
+    192 rows instead of per 64, and three warp groups to keep the tensor cores busy while each
+    scales its products. sorted_pair marks the padding rows (-1): a block's 64-row group that holds
+    none of its expert's rows is skipped, so the padding costs no more products than in 64-row
+    blocks (only loads)."""
+    rows, k = xg.shape
+    if rows != num_m * TRIO_BLOCK_M or n % 128 or k % 128 or sorted_pair.numel() < rows:
+        raise ValueError(f"moe_gluon.gate_up_act_trio: {rows} rows for {num_m} blocks of {TRIO_BLOCK_M} "
+                         f"({sorted_pair.numel()} sorted rows), n {n}, K {k} (whole blocks and 128-wide tiles needed)")
+    _ensure_allocator()
+    h = torch.empty(rows, n, dtype=xg.dtype, device=xg.device)
+    hs = torch.empty(rows, n // 128, dtype=torch.float32, device=xg.device)
+    n_tiles = n // 128
+    _gate_up_trio_kernel[(num_m * n_tiles,)](
+        xg, xsg, w_table, ws_table, block_expert, sorted_pair, h, hs, rows, n_local, num_m, n_tiles, alpha, limit,
+        beta, N=n, K=k, ACT=act, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, **TRIO_CONFIG)
     return h, hs

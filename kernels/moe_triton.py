@@ -687,22 +687,32 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     interp = _interpreting()
     ieee = x.dtype == torch.float32 and not interp  # float32 in, float32 math (Triton's default is TF32)
     upcast = interp and not fp8  # the interpreter's bf16 tl.dot is wrong; its fp8 dot is right
+    if group_m < 0 and not cfg.get("EXPERT_GROUPS"):
+        raise ValueError("grouped_gated_mlp: GROUP_M -1 (groups by expert) needs EXPERT_GROUPS, the largest group")
+    gluon = fp8 and gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared)
+    # the Gluon gate/up over 192-row blocks (three 64-row groups share each weight tile): the
+    # experts' runs are padded to 192 and the down kernel takes them as 64-row thirds
+    # the pairs this rank's experts take, on average (routing spreads them; the shared slot takes every token)
+    local_pairs = t * routed_k * n_local // max(num_experts, 1) + (t if shared is not None else 0)
+    trio = gluon and trio_fits(local_pairs, n_experts)
+    align_m = moe_gluon.TRIO_BLOCK_M if trio else bm
+    parts = align_m // bm  # the down kernel's 64-row blocks in each gate/up block
     if single_expert:
         if n_local != 1 or k != 1 or expert_offset != 0:
             raise ValueError("grouped_gated_mlp: single_expert needs one expert, k = 1 and offset 0")
-        al = single_expert_alignment(t, bm, x.device)
+        al = single_expert_alignment(t, align_m, x.device)
     else:
-        al = _align(ids, expert_offset, n_local, bm, shared_id if shared is not None else -2)
+        al = _align(ids, expert_offset, n_local, align_m, shared_id if shared is not None else -2)
     num_m = used_blocks(al, ids.numel())
-    rows = num_m * bm
+    rows = num_m * align_m
     dev = x.device
-    block_expert = al.block_expert
-    if group_m < 0:  # each block's group (first block, size) after the blocks' experts: _tile_of reads it there
-        if not cfg.get("EXPERT_GROUPS"):
-            raise ValueError("grouped_gated_mlp: GROUP_M -1 (groups by expert) needs EXPERT_GROUPS, the largest group")
-        groups = expert_group_table(al.block_expert, num_m, cfg["EXPERT_GROUPS"]).to(al.block_expert.dtype)
-        block_expert = torch.cat([al.block_expert[:num_m], groups.reshape(-1)])
-    gluon = fp8 and gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared)
+    if trio:
+        gate_up_blocks = _with_groups(al.block_expert, num_m, max(group_m // parts, 1) if group_m > 0 else group_m,
+                                      max(cfg.get("EXPERT_GROUPS", parts) // parts, 1))
+        block_expert = _parts(al, num_m, parts, n_experts, gate_up_blocks if group_m < 0 else None)
+        num_m = parts * num_m  # the down kernel's 64-row blocks
+    else:
+        block_expert = _with_groups(al.block_expert, num_m, group_m, cfg.get("EXPERT_GROUPS", 0))
     if gluon:
         # Hopper, FP8 prefill: the warp-specialized Gluon gate/up kernel (kernels/moe_gluon.py) loads
         # whole tiles by TMA, which cannot gather rows: x quantized straight into the sorted order
@@ -721,7 +731,11 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w13_t = ws13_t = _table(w13)
         w2_t = ws2_t = _table(w2)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
-    if gluon:
+    if trio:
+        h, hs = moe_gluon.gate_up_act_trio(xq, xs, w13_t, ws13_t, gate_up_blocks, al.sorted_pair, num_m // parts,
+                                           n_experts, n, _ACT[kind], float(alpha), float(limit), float(beta),
+                                           max(group_m // parts, 1) if group_m > 0 else group_m)
+    elif gluon:
         h, hs = moe_gluon.gate_up_act(xq, xs, w13_t, ws13_t, block_expert, num_m, n_experts, n,
                                       _ACT[kind], float(alpha), float(limit), float(beta), group_m)
     else:
@@ -754,11 +768,34 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return out
 
 
+def _with_groups(block_expert: torch.Tensor, num_m: int, group_m: int, cap: int) -> torch.Tensor:
+    """block_expert as the kernels read it: with GROUP_M -1, each block's group (first block, size)
+    after the blocks' experts, where _tile_of finds it."""
+    if group_m >= 0:
+        return block_expert
+    groups = expert_group_table(block_expert, num_m, cap).to(block_expert.dtype)
+    return torch.cat([block_expert[:num_m], groups.reshape(-1)])
+
+
+def _parts(al: Alignment, num_m: int, parts: int, idle: int, groups: Optional[torch.Tensor]) -> torch.Tensor:
+    """The 64-row blocks of a layout in blocks of parts x 64 rows (al), as the down kernel reads
+    them: each part's expert, idle where its rows are all padding (an expert's rows come first in
+    its run, so a part is padding when its first row is), and with `groups` (the large blocks as
+    _with_groups made them) each part's group: the same groups, in parts."""
+    size = al.block_m // parts
+    first_rows = al.sorted_pair[: num_m * al.block_m].view(parts * num_m, size)[:, 0]
+    experts = torch.where(first_rows >= 0, al.block_expert[:num_m].repeat_interleave(parts), idle)
+    if groups is None:
+        return experts
+    scaled = (groups[num_m:].view(num_m, 2) * parts).repeat_interleave(parts, dim=0)
+    return torch.cat([experts, scaled.reshape(-1)])
+
+
 def gluon_fits(device: torch.device, dtype: torch.dtype, hidden: int, cfg: dict, n: int, n_shared: int) -> bool:
     """Whether the FP8 gate/up GEMM runs as the warp-specialized Gluon kernel (kernels/moe_gluon.py).
 
-    Kernel option moe_gemm: auto = where it can (an sm_90 GPU with triton's Gluon); gluon = an error
-    where it cannot; triton = never. Either way only at its tiles (BLOCK_M 64, the FP8 prefill
+    Kernel option moe_gemm: auto = where it can (an sm_90 GPU with triton's Gluon); gluon and gluon192
+    (its 192-row form, trio_fits) = an error where it cannot; triton = never. Either way only at its tiles (BLOCK_M 64, the FP8 prefill
     tiles), routed and shared experts of one width, whole 128-column tiles, a bf16 model; elsewhere
     (decode tiles, a narrower shared TP slice) the Triton kernel runs."""
     mode = kernel_options().moe_gemm
@@ -767,11 +804,27 @@ def gluon_fits(device: torch.device, dtype: torch.dtype, hidden: int, cfg: dict,
     if not moe_gluon.gluon_available(device):
         if mode == "auto":
             return False
-        raise RuntimeError(f"kernel option moe_gemm=gluon needs triton's Gluon and an sm_90 (Hopper) GPU; "
+        raise RuntimeError(f"kernel option moe_gemm={mode} needs triton's Gluon and an sm_90 (Hopper) GPU; "
                            f"this is {device} with triton {triton.__version__} "
                            f"(Gluon {'present' if moe_gluon.HAVE_GLUON else 'missing'}): use auto or triton")
     return (cfg["BM"] == moe_gluon.BLOCK_M and n == n_shared and n % 128 == 0 and hidden % 128 == 0
             and dtype == torch.bfloat16)
+
+
+# From this many rows per expert on average (the shared slot counted) the Gluon gate/up runs in
+# 192-row blocks under moe_gemm=auto: one H200, M3's FP8 layer back to back, 16384 tokens (640 rows
+# per expert) 6.3% faster, 8192 (320) 2.1%, 4096 (160) 1.2% slower from the padding to 192
+# (docs/kernel-notes.md#three-warp-groups-over-192-row-blocks).
+TRIO_MIN_ROWS_PER_EXPERT = 256
+
+
+def trio_fits(pairs: int, experts: int) -> bool:
+    """Whether the Gluon gate/up (already chosen: gluon_fits) runs over 192-row blocks: always under
+    kernel option moe_gemm=gluon192, never under gluon, with auto from TRIO_MIN_ROWS_PER_EXPERT."""
+    mode = kernel_options().moe_gemm
+    if mode == "auto":
+        return pairs >= TRIO_MIN_ROWS_PER_EXPERT * experts
+    return mode == "gluon192"
 
 
 def shared_in_grouped_launch(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool,

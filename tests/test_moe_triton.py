@@ -460,6 +460,21 @@ def _scatter_by_torch(x, pair_row, sorted_pair, rows, slots):
     return xg, xsg
 
 
+def _host_side_case(order: dict):
+    """The host-side tests' layer (tiny M3, FP8) and input: expert 6 takes every one of 201 tokens,
+    the shared expert too; the other slot spreads over experts 0-4, so 3 experts stay idle; the
+    prefill tiles (BLOCK_M 64) in the program order `order`."""
+    w = R.MoEWeights(*K.block_op_args(_block(tiny_m3_clamping, torch.bfloat16, True)))
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(201, 256, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.full((201,), 6), torch.randint(0, 5, (201,), generator=g)], 1)
+    tw = torch.rand(201, 2, generator=g)
+    shared = (w.shared_w13, w.shared_w2, w.shared_w13_scale, w.shared_w2_scale)
+    cfg = {"BM": 64, "BN": 128, "BK": 128, "BN_DOWN": 128, "num_warps": 4, "num_stages": 2, "ONE_DOT": True,
+           **order}
+    return w, x, ids, tw, shared, cfg
+
+
 @pytest.mark.parametrize("order", [{"GROUP_M": -1, "EXPERT_GROUPS": 4}, {"GROUP_M": 4}],
                          ids=["by_expert", "groups_of_4"])
 def test_host_side_of_the_gluon_gate_up_equals_the_triton_path(interp, order, monkeypatch):
@@ -471,14 +486,7 @@ def test_host_side_of_the_gluon_gate_up_equals_the_triton_path(interp, order, mo
     import minimax_backend.kernels.moe_gluon as mg
 
     kt = interp
-    w = R.MoEWeights(*K.block_op_args(_block(tiny_m3_clamping, torch.bfloat16, True)))
-    g = torch.Generator().manual_seed(13)
-    x = torch.randn(201, 256, generator=g).to(torch.bfloat16)
-    ids = torch.stack([torch.full((201,), 6), torch.randint(0, 5, (201,), generator=g)], 1)
-    tw = torch.rand(201, 2, generator=g)
-    shared = (w.shared_w13, w.shared_w2, w.shared_w13_scale, w.shared_w2_scale)
-    cfg = {"BM": 64, "BN": 128, "BK": 128, "BN_DOWN": 128, "num_warps": 4, "num_stages": 2, "ONE_DOT": True,
-           **order}
+    w, x, ids, tw, shared, cfg = _host_side_case(order)
     launched = []
 
     def gate_up(xg, xsg, w_t, ws_t, blocks, num_m, n_local, n, act, alpha, limit, beta, group_m):
@@ -503,6 +511,76 @@ def test_host_side_of_the_gluon_gate_up_equals_the_triton_path(interp, order, mo
     assert launched == [order["GROUP_M"]]
     assert not torch.isnan(out["triton"]).any()
     assert torch.equal(out["gluon"], out["triton"])
+
+
+@pytest.mark.parametrize("order", [{"GROUP_M": -1, "EXPERT_GROUPS": 4}, {"GROUP_M": 4}, {"GROUP_M": 0}],
+                         ids=["by_expert", "groups_of_4", "rows_first"])
+def test_host_side_of_the_192_row_gluon_gate_up_equals_the_triton_path(interp, order, monkeypatch):
+    """moe_gemm=gluon192 on the host: the layout in 192-row blocks, the rows scattered into it, the
+    gate/up's block table and order (the groups in 192-row blocks), the down kernel on the 64-row
+    thirds (a third with no rows idle, the groups in thirds) and the combine. The Gluon kernel is
+    replaced by the Triton gate/up kernel over the same sorted rows, in the order it is given; the
+    rows it skips (thirds of padding) stay NaN. Expert 6 takes every token (201 rows: a 192-row
+    block, then 9 rows in the next one's first third), the shared expert too; the other slot
+    spreads, 3 experts idle. The output equals the Triton path's bit for bit."""
+    import minimax_backend.kernels.moe_gluon as mg
+
+    kt = interp
+    parts = mg.TRIO_BLOCK_M // 64
+    w, x, ids, tw, shared, cfg = _host_side_case(order)
+    seen = []
+
+    def gate_up(xg, xsg, w_t, ws_t, blocks, sorted_pair, num_m, n_local, n, act, alpha, limit, beta, group_m):
+        seen.append((num_m, group_m))
+        rows, hidden = xg.shape
+        assert rows == num_m * mg.TRIO_BLOCK_M
+        # the kernel's 192-row blocks as the Triton kernel's 64-row ones: each third its block's
+        # expert, idle where it starts with padding; with groups (-1) their table in thirds too
+        first_rows = sorted_pair[:rows].view(parts * num_m, 64)[:, 0]
+        thirds = torch.where(first_rows >= 0, blocks[:num_m].repeat_interleave(parts), n_local)
+        if group_m < 0:
+            thirds = torch.cat([thirds, (blocks[num_m:].view(num_m, 2) * parts).repeat_interleave(parts, 0).reshape(-1)])
+        h = torch.full((rows, n), float("nan")).to(xg.dtype)
+        hs = torch.full((rows, n // 128), float("nan"))
+        kt._gate_up_act_kernel[(parts * num_m * (n // 128),)](
+            xg, xsg, w_t, ws_t, torch.arange(rows, dtype=torch.int32), thirds.to(torch.int32), h, hs,
+            hidden, n, n, 1, n_local, parts * num_m, n // 128, xg.stride(0), xsg.stride(0), h.stride(0), hs.stride(0),
+            alpha, limit, beta, False, ACT=act, FP8=True, OUT_KIND=1, INTERP=True, UPCAST=False, IEEE=False, BM=64,
+            BN=128, BK=128, ONE_DOT=True, GROUP_M=group_m * parts if group_m > 0 else group_m, num_warps=4,
+            num_stages=2)
+        return h, hs
+
+    monkeypatch.setattr(mg, "gate_up_act_trio", gate_up)
+    monkeypatch.setattr(kt, "quantize_scatter_fp8", _scatter_by_torch)
+    out = {}
+    for gemm in ("triton", "gluon192"):
+        monkeypatch.setattr(kt, "gluon_fits", lambda *a, _on=gemm != "triton": _on)
+        with override_kernel_options(moe_gemm=gemm):
+            out[gemm] = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, w.w13_scale, w.w2_scale, 0, "swigluoai",
+                                             w.alpha, w.limit, w.beta, w.num_experts, cfg, shared=shared)
+    # one launch, its order in 192-row blocks (groups of 4 x 64 rows: 1 block)
+    want_group = {-1: -1, 4: max(4 // parts, 1), 0: 0}[order["GROUP_M"]]
+    assert len(seen) == 1 and seen[0][1] == want_group, seen
+    assert not torch.isnan(out["triton"]).any()
+    assert torch.equal(out["gluon192"], out["triton"])
+
+
+def test_auto_takes_the_192_row_gluon_gate_up_from_256_rows_per_expert():
+    """moe_gemm=auto picks the 192-row form by the average rows per local expert (measured faster
+    from 320 rows per expert, slower at 160: docs/kernel-notes.md); gluon and gluon192 pin it."""
+    import minimax_backend.kernels.moe_triton as kt
+
+    experts = 129  # M3's 128 routed experts and the shared one on one rank
+    with override_kernel_options(moe_gemm="auto"):
+        assert kt.trio_fits(kt.TRIO_MIN_ROWS_PER_EXPERT * experts, experts)
+        assert not kt.trio_fits(kt.TRIO_MIN_ROWS_PER_EXPERT * experts - 1, experts)
+        # M3 at EP 1: 8192 tokens x (4 routed + the shared slot) yes, 4096 no
+        assert kt.trio_fits(8192 * 4 * 128 // 128 + 8192, experts)
+        assert not kt.trio_fits(4096 * 4 * 128 // 128 + 4096, experts)
+    with override_kernel_options(moe_gemm="gluon"):
+        assert not kt.trio_fits(10 ** 9, experts)
+    with override_kernel_options(moe_gemm="gluon192"):
+        assert kt.trio_fits(1, experts)
 
 
 def test_gate_up_and_order_switches_reach_the_kernel(interp, monkeypatch):
@@ -795,13 +873,20 @@ def test_where_the_gluon_gate_up_runs(monkeypatch):
             else:
                 with pytest.raises(RuntimeError, match="sm_90"):
                     kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
+        with override_kernel_options(moe_gemm="gluon192"):
+            if available:
+                assert kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
+            else:
+                with pytest.raises(RuntimeError, match="moe_gemm=gluon192 needs .*sm_90"):
+                    kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [999, 1000])  # the FP8 prefill tiles (BLOCK_M 64), an odd count
-def test_gpu_gluon_gate_up_against_cpu_reference(tokens, monkeypatch):
-    """moe_gemm=gluon (kernels/moe_gluon.py) on an sm_90 GPU: the warp-specialized gate/up kernel
-    runs (counted) and the op matches the CPU reference as the Triton kernels do."""
+@pytest.mark.parametrize("gemm", ["gluon", "gluon192"])
+def test_gpu_gluon_gate_up_against_cpu_reference(tokens, gemm, monkeypatch):
+    """moe_gemm=gluon / gluon192 (kernels/moe_gluon.py) on an sm_90 GPU: the warp-specialized gate/up
+    kernel runs (counted) and the op matches the CPU reference as the Triton kernels do."""
     import minimax_backend.kernels.moe_gluon as mg
     import minimax_backend.kernels.moe_triton as kt
     from minimax_backend.kernels.options import kernel_options
@@ -809,9 +894,10 @@ def test_gpu_gluon_gate_up_against_cpu_reference(tokens, monkeypatch):
     if not mg.gluon_available(torch.device("cuda")):
         pytest.skip("needs triton's Gluon and an sm_90 GPU")
     launched = []
-    real = mg.gate_up_act
-    monkeypatch.setattr(mg, "gate_up_act", lambda *a, **kw: launched.append(1) or real(*a, **kw))
-    with override_kernel_options(moe_gemm="gluon"):
+    name = {"gluon": "gate_up_act", "gluon192": "gate_up_act_trio"}[gemm]
+    real = getattr(mg, name)
+    monkeypatch.setattr(mg, name, lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    with override_kernel_options(moe_gemm=gemm):
         test_gpu_kernels_against_cpu_reference("m3_fp8", tokens)
         why = {"options": kernel_options().to_dict(), "same_module": kt.moe_gluon is mg,
                "tiles": kt.tile_config(tokens, 2, 8, True)}
@@ -840,7 +926,8 @@ def test_gpu_gluon_gate_up_equals_the_triton_kernel_bit_for_bit():
               w.num_experts)
     shared = (w.shared_w13, w.shared_w2, w.shared_w13_scale, w.shared_w2_scale)
     out = {}
-    for kernels in ("triton", "gluon"):
+    for kernels in ("triton", "gluon", "gluon192"):
         with override_kernel_options(moe_gemm=kernels):
             out[kernels] = kt.grouped_gated_mlp(x, *common, shared=shared)
     assert torch.equal(out["gluon"], out["triton"])
+    assert torch.equal(out["gluon192"], out["triton"])

@@ -293,6 +293,30 @@ def test_moe_gluon_gate_up_compiles_warp_specialized_without_spills(width, tmp_p
         assert local_memory_bytes(kernel, tmp_path) == 0, group_m
 
 
+GLUON_TRIO_SIG = {**GLUON_GATE_UP_SIG, "sorted_pair": "*i32"}
+
+
+def test_moe_gluon_192_row_gate_up_compiles_warp_specialized_without_spills(tmp_path):
+    """The Gluon gate/up over 192-row tiles (moe_gluon.gate_up_act_trio) at M3's widths: wgmma,
+    setmaxnreg, shared memory within the H200's, and no register spills with three consumer warp
+    groups at TRIO_CONFIG's registers (each holds a [64, 128] accumulator and one product)."""
+    from minimax_backend.kernels import moe_gluon as mg
+
+    if not mg.HAVE_GLUON:
+        pytest.skip(f"triton {triton.__version__} has no Gluon")
+    kernel = compiled_gluon_sm90(mg._gate_up_trio_kernel, GLUON_TRIO_SIG,
+                                 dict(N=3072, K=6144, ACT=0, GROUP_M=-1, num_warps=4, **mg.TRIO_CONFIG), 4)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
+    assert kernel.metadata.shared <= H200_SHARED_BYTES
+    spilled = local_memory_bytes(kernel, tmp_path)
+    if spilled and not triton.__version__.startswith("3.6"):
+        # measured on the GPU box's Triton 3.6 only; Triton 3.9 spills 24 B a thread (2026-12-03):
+        # say so rather than pass, and fail loudly on 3.6, where the kernel was timed
+        pytest.xfail(f"triton {triton.__version__}: {spilled} B of register spills (none on 3.6)")
+    assert spilled == 0, spilled
+
+
 def test_moe_route_and_alignment_kernels_compile(moe):
     from minimax_backend.kernels import moe_align_triton as al
     from minimax_backend.kernels import moe_route_triton as rt

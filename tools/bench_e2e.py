@@ -24,6 +24,7 @@ values: the attention cost does not depend on them). Variants:
                    loop instead of the default's warp-specialized Gluon kernel on sm_90)
   minimax-moe-gluon  ours with kernel option moe_gemm=gluon (the Gluon gate/up GEMM
                    at FP8 prefill sizes required: an error without sm_90)
+  minimax-moe-gluon192  ours with kernel option moe_gemm=gluon192 (its 192-row form)
   eager            the plain model as written (the numerics reference)
   inductor         torch.compile(plain model); reduce-overhead: with CUDA graphs.
                    Under tracing the plain model's MoE runs every local expert on
@@ -81,6 +82,7 @@ ABLATIONS = {
 KERNEL_VARIANTS = {
     "minimax-moe-triton": {"moe_gemm": "triton"},
     "minimax-moe-gluon": {"moe_gemm": "gluon"},
+    "minimax-moe-gluon192": {"moe_gemm": "gluon192"},
 }
 VARIANTS = ("eager", "torch-grouped", "inductor", "reduce-overhead", "minimax", *ABLATIONS, *KERNEL_VARIANTS)
 DEFAULT_VARIANTS = ("eager", "torch-grouped", "minimax", *ABLATIONS)

@@ -160,9 +160,9 @@ def main(argv=None) -> None:
     p.add_argument("--expert-groups", type=int, nargs="+", default=[],
                    help="also the programs in groups by expert (kernel option moe_expert_groups), at most this many "
                         "row blocks each (kernels/moe_expert_groups.py)")
-    p.add_argument("--moe-gemm", nargs="+", choices=["triton", "gluon"], default=["triton"],
+    p.add_argument("--moe-gemm", nargs="+", choices=["triton", "gluon", "gluon192"], default=["triton"],
                    help="the FP8 gate/up kernel (kernel option moe_gemm; gluon: the warp-specialized kernel of "
-                        "kernels/moe_gluon.py, sm_90 only, at its BLOCK_M 64 tiles)")
+                        "kernels/moe_gluon.py, sm_90 only, at its BLOCK_M 64 tiles; gluon192: its 192-row form)")
     p.add_argument("--preset", default="m3")
     p.add_argument("--calls", type=int, default=3, help="profiled calls per config")
     p.add_argument("--sustained", type=seconds_arg, default=0.0, metavar="SECONDS",
@@ -185,8 +185,8 @@ def main(argv=None) -> None:
 
     for c in args.configs or []:
         _tiles(c, 1, 1, 1, False)  # a malformed config fails here, before anything is built
-    if args.device == "cpu" and "gluon" in args.moe_gemm:
-        raise SystemExit("--moe-gemm gluon runs on an sm_90 GPU only (the interpreter has no Gluon)")
+    if args.device == "cpu" and any(g.startswith("gluon") for g in args.moe_gemm):
+        raise SystemExit("--moe-gemm gluon / gluon192 run on an sm_90 GPU only (the interpreter has no Gluon)")
     if args.device == "cpu" and not triton_interpreting():
         raise SystemExit("--device cpu runs the Triton kernels in Triton's interpreter: set TRITON_INTERPRET=1")
     from minimax_backend.kernels.options import override_kernel_options
