@@ -361,6 +361,94 @@ if HAVE_GLUON:
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
+    # ---- the down GEMM over the same 192-row blocks ----
+
+    @gluon.jit
+    def _down_trio_producer(h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
+                            STAGES: gl.constexpr):
+        """The producer warp: each K step's three 64-row tiles of h and the [128, 128] weight tile."""
+        BK: gl.constexpr = 128
+        nbytes: gl.constexpr = 3 * h_desc.block_type.nbytes + w_desc.block_type.nbytes
+        for ki in range(n_steps):
+            s = ki % STAGES
+            mbarrier.wait(empty.index(s), ((ki // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            _tma_load(h_desc, [off_m, ki * BK], bar, a0_smem.index(s))
+            _tma_load(h_desc, [off_m + 64, ki * BK], bar, a1_smem.index(s))
+            _tma_load(h_desc, [off_m + 128, ki * BK], bar, a2_smem.index(s))
+            _tma_load(w_desc, [off_n, ki * BK], bar, b_smem.index(s))
+
+    @gluon.jit
+    def _down_trio_consumer(a_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m, off_n,
+                            n_steps, live, N_OUT: gl.constexpr, K: gl.constexpr, STAGES: gl.constexpr):
+        """One warp group's [64, 128] tile of y: the products scaled per K step as the Triton down
+        kernel does, rounded to bf16, times the pair's routing weight, rounded again; padding rows
+        are not stored. A group whose rows are all padding only releases the stages."""
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+        if live:
+            rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+            acc = _ws_product(a_smem, b_smem, ready, empty, hs_ptr + rows.to(gl.int64) * (K // 128),
+                              ws + (off_n // 128) * (K // 128), n_steps, STAGES, layout)
+            pair = gl.load(sorted_pair + rows)
+            valid = pair >= 0
+            wt = gl.load(topk_w + gl.where(valid, pair, 0), mask=valid, other=0.0)
+            y = acc.to(gl.bfloat16).to(gl.float32) * wt[:, None]
+            cols = off_n + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+            mask = valid[:, None] & (cols < N_OUT)[None, :]
+            gl.store(y_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], y.to(gl.bfloat16), mask=mask)
+        else:
+            for ki in range(n_steps):
+                s = ki % STAGES
+                mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
+                mbarrier.arrive(empty.index(s), count=1)
+
+    @gluon.jit
+    def _down_trio_kernel(h_ptr, hs_ptr, w_table, ws_table, block_expert, sorted_pair, topk_w, y_ptr, rows_total,
+                          n_local, num_m_blocks, num_n_tiles, N_OUT: gl.constexpr, K: gl.constexpr,
+                          STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """y of one [192, 128] tile: warp groups 0, 1, 2 rows 0-63, 64-127, 128-191 of the block,
+        all from the same [128, 128] tiles of the expert's down weight."""
+        BK: gl.constexpr = 128
+        pid_m, pid_n = _tile_of(gl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
+        e = gl.load(block_expert + pid_m)
+        active = e < n_local
+        e = gl.minimum(e, n_local - 1)  # idle blocks run no K step and store nothing
+        n_steps = gl.where(active, K // BK, 0)
+        off_m = pid_m * 192
+        # an expert's rows come first in its run, so a group that starts with padding is all padding
+        second = active & (gl.load(sorted_pair + off_m + 64) >= 0)
+        third = active & (gl.load(sorted_pair + off_m + 128) >= 0)
+        w = gl.load(w_table + e).to(gl.pointer_type(gl.float8e4nv))
+        ws = gl.load(ws_table + e).to(gl.pointer_type(gl.float32))
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        h_desc = tma.make_tensor_descriptor(h_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
+                                            layout=smem_layout)
+        w_desc = tma.make_tensor_descriptor(w, shape=[N_OUT, K], strides=[K, 1], block_shape=[128, BK],
+                                            layout=smem_layout)
+        a0_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
+        a1_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
+        a2_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
+        b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], smem_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=3)
+        off_n = pid_n * 128
+        gl.warp_specialize([
+            (_down_trio_consumer, (a0_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m, off_n,
+                                   n_steps, active, N_OUT, K, STAGES)),
+            (_down_trio_consumer, (a1_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m + 64,
+                                   off_n, n_steps, second, N_OUT, K, STAGES)),
+            (_down_trio_consumer, (a2_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m + 128,
+                                   off_n, n_steps, third, N_OUT, K, STAGES)),
+            (_down_trio_producer, (h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n,
+                                   n_steps, STAGES)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
 # Launch config, measured on one H200 (docs/kernel-notes.md#moe-in-gluon): the alignment's
 # row blocks of 64 rows (one expert each), 4 pipeline stages, registers per thread of the
 # consumer warp groups and of the producer warp.
@@ -418,3 +506,27 @@ def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor,
         xg, xsg, w_table, ws_table, block_expert, sorted_pair, h, hs, rows, n_local, num_m, n_tiles, alpha, limit,
         beta, N=n, K=k, ACT=act, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, **TRIO_CONFIG)
     return h, hs
+
+
+# The down GEMM over the 192-row blocks (down_trio): no epilogue buffers, so 4 stages of 40 KB.
+DOWN_TRIO_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 168, "PRODUCER_REGS": 24}
+
+
+def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table: torch.Tensor,
+              block_expert: torch.Tensor, sorted_pair: torch.Tensor, topk_w: torch.Tensor, num_m: int, n_local: int,
+              n_out: int, group_m: int) -> torch.Tensor:
+    """y [rows, n_out] bf16 = h @ w2.T of each row's expert, times its pair's routing weight
+    (topk_w, float32, by pair), over the 192-row blocks gate_up_act_trio wrote h in (block_expert,
+    its groups, sorted_pair as there); the rows of padding are left unwritten. The same products,
+    scaling and rounding as the Triton down kernel, bit for bit."""
+    rows, k = h.shape
+    if rows != num_m * TRIO_BLOCK_M or n_out % 128 or k % 128 or sorted_pair.numel() < rows:
+        raise ValueError(f"moe_gluon.down_trio: {rows} rows for {num_m} blocks of {TRIO_BLOCK_M} "
+                         f"({sorted_pair.numel()} sorted rows), n_out {n_out}, K {k} (whole blocks and 128-wide tiles needed)")
+    _ensure_allocator()
+    y = torch.empty(rows, n_out, dtype=torch.bfloat16, device=h.device)
+    n_tiles = n_out // 128
+    _down_trio_kernel[(num_m * n_tiles,)](
+        h, hs, w_table, ws_table, block_expert, sorted_pair, topk_w, y, rows, n_local, num_m, n_tiles,
+        N_OUT=n_out, K=k, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, **DOWN_TRIO_CONFIG)
+    return y

@@ -749,17 +749,22 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn,
             BK=bk, ONE_DOT=one_dot, GROUP_M=group_m, **launch,
         )
-    y = torch.empty(rows, hidden, dtype=out_dt, device=dev)
-    down_launch["num_stages"] = down_stages(down_launch["num_stages"], n_shared != n,
-                                            bm, bn_down, bk, 1 if fp8 else x.element_size())
-    n_tiles = triton.cdiv(hidden, bn_down)
-    _down_kernel[(num_m * n_tiles,)](
-        h, hs, w2_t, ws2_t, al.sorted_pair, block_expert, tw, y,
-        hidden, n_experts, num_m, n_tiles, h.stride(0), hs.stride(0), y.stride(0),
-        K=n, K_SHARED=n_shared, SHARED=shared is not None,
-        FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn_down, BK=bk,
-        GROUP_M=group_m, **down_launch,
-    )
+    if gluon_down_fits(trio):
+        # the Gluon down GEMM over the same 192-row blocks, in the gate/up's order
+        y = moe_gluon.down_trio(h, hs, w2_t, ws2_t, gate_up_blocks, al.sorted_pair, tw, num_m // parts, n_experts,
+                                hidden, max(group_m // parts, 1) if group_m > 0 else group_m)
+    else:
+        y = torch.empty(rows, hidden, dtype=out_dt, device=dev)
+        down_launch["num_stages"] = down_stages(down_launch["num_stages"], n_shared != n,
+                                                bm, bn_down, bk, 1 if fp8 else x.element_size())
+        n_tiles = triton.cdiv(hidden, bn_down)
+        _down_kernel[(num_m * n_tiles,)](
+            h, hs, w2_t, ws2_t, al.sorted_pair, block_expert, tw, y,
+            hidden, n_experts, num_m, n_tiles, h.stride(0), hs.stride(0), y.stride(0),
+            K=n, K_SHARED=n_shared, SHARED=shared is not None,
+            FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn_down, BK=bk,
+            GROUP_M=group_m, **down_launch,
+        )
     out = torch.empty(t, hidden, dtype=out_dt if shared is not None else torch.float32, device=dev)
     cb = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)
     _combine_kernel[(t, triton.cdiv(hidden, cb))](
@@ -825,6 +830,13 @@ def trio_fits(pairs: int, experts: int) -> bool:
     if mode == "auto":
         return pairs >= TRIO_MIN_ROWS_PER_EXPERT * experts
     return mode == "gluon192"
+
+
+def gluon_down_fits(trio: bool) -> bool:
+    """Whether the FP8 down GEMM runs as the Gluon kernel over the gate/up's 192-row blocks
+    (moe_gluon.down_trio; kernel option moe_down): auto = wherever the gate/up runs in that form
+    (trio: trio_fits), triton = never."""
+    return trio and kernel_options().moe_down == "auto"
 
 
 def shared_in_grouped_launch(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool,

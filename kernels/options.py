@@ -25,6 +25,7 @@ environment, so a launcher sets the variables before it starts them.
 | moe_group_m      | MINIMAX_MOE_GROUP_M      | (unset) | a whole number >= 0              | the grouped GEMMs' program order instead of tile_config's choice: 0 = row blocks fastest over all, g = groups of g row blocks, each group's column tiles first |
 | moe_expert_groups | MINIMAX_MOE_EXPERT_GROUPS | (unset) | a whole number >= 1             | the grouped GEMMs' program order by expert: each group one expert's row blocks (at most this many), its column tiles first; overrides moe_group_m (kernels/moe_expert_groups.py) |
 | moe_gemm         | MINIMAX_MOE_GEMM         | auto    | auto, triton, gluon, gluon192    | the FP8 gate/up GEMM at prefill sizes: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py where the GPU runs it (sm_90), in its 192-row form from 256 rows per expert, else Triton; gluon = that kernel or an error; gluon192 = its 192-row form (three 64-row groups share each weight tile) or an error; triton = the Triton loop |
+| moe_down         | MINIMAX_MOE_DOWN         | auto    | auto, triton                     | the FP8 down GEMM: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py wherever the gate/up runs over 192-row blocks, else Triton; triton = the Triton kernel always |
 | moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~40 torch kernels instead of one Triton program (the default up to 4096 token-expert pairs) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
 | moe_shared       | MINIMAX_MOE_SHARED       | merged  | merged, separate                 | separate: the shared expert in its own launches instead of inside the routed ones |
@@ -130,6 +131,10 @@ class KernelOptions:
         "else Triton; gluon = that kernel (64-row form) or an error; "
         "gluon192 = its 192-row form (three 64-row groups share each weight tile) or an error; "
         "triton = the Triton loop", choices=("auto", "triton", "gluon", "gluon192"))
+    moe_down: str = _switch(
+        "MINIMAX_MOE_DOWN", "auto", "the FP8 down GEMM: auto = the warp-specialized Gluon kernel of "
+        "kernels/moe_gluon.py wherever the gate/up runs over 192-row blocks, else Triton; triton = the Triton "
+        "kernel always", choices=("auto", "triton"))
     moe_align: str = _switch(
         "MINIMAX_MOE_ALIGN", "triton", "torch: the experts' sorted layout from ~40 torch kernels instead of one "
         "Triton program", choices=("triton", "torch"))

@@ -80,6 +80,7 @@ def _switched(switch: str):
         mp.setattr(kt, "route_triton", spy(routed, kt.route_triton))
         mp.setattr(kt, "gluon_fits", spy(fits, kt.gluon_fits))
         mp.setattr(mg, "gate_up_act", spy(gluon, mg.gate_up_act))
+        mp.setattr(mg, "gate_up_act_trio", spy(gluon, mg.gate_up_act_trio))
         gate_up, down = _Launches(kt._gate_up_act_kernel), _Launches(kt._down_kernel)
         mp.setattr(kt, "_gate_up_act_kernel", gate_up)
         mp.setattr(kt, "_down_kernel", down)
@@ -105,7 +106,7 @@ def _switched(switch: str):
     elif name == "moe_expert_groups":
         launches = gate_up.kwargs + down.kwargs
         assert launches and all(kw["GROUP_M"] == -1 for kw in launches), switch
-    elif name == "moe_gemm":  # where gluon_fits says yes the Gluon gate/up runs, elsewhere the Triton one
+    elif name == "moe_gemm":  # where gluon_fits says yes a Gluon gate/up (64- or 192-row) runs, elsewhere the Triton one
         assert len(gluon) == sum(1 for _, yes in fits if yes), f"{switch}: {len(gluon)} Gluon launches"
 
 
@@ -517,10 +518,10 @@ def test_host_side_of_the_gluon_gate_up_equals_the_triton_path(interp, order, mo
                          ids=["by_expert", "groups_of_4", "rows_first"])
 def test_host_side_of_the_192_row_gluon_gate_up_equals_the_triton_path(interp, order, monkeypatch):
     """moe_gemm=gluon192 on the host: the layout in 192-row blocks, the rows scattered into it, the
-    gate/up's block table and order (the groups in 192-row blocks), the down kernel on the 64-row
-    thirds (a third with no rows idle, the groups in thirds) and the combine. The Gluon kernel is
-    replaced by the Triton gate/up kernel over the same sorted rows, in the order it is given; the
-    rows it skips (thirds of padding) stay NaN. Expert 6 takes every token (201 rows: a 192-row
+    gate/up's block table and order (the groups in 192-row blocks), the down GEMM (the Gluon one on
+    the same blocks and order, or the Triton kernel on the 64-row thirds: a third with no rows idle,
+    the groups in thirds) and the combine. The Gluon kernels are replaced by the Triton ones over
+    the same sorted rows, in the order they are given; the rows they skip (thirds of padding) stay NaN. Expert 6 takes every token (201 rows: a 192-row
     block, then 9 rows in the next one's first third), the shared expert too; the other slot
     spreads, 3 experts idle. The output equals the Triton path's bit for bit."""
     import minimax_backend.kernels.moe_gluon as mg
@@ -528,41 +529,61 @@ def test_host_side_of_the_192_row_gluon_gate_up_equals_the_triton_path(interp, o
     kt = interp
     parts = mg.TRIO_BLOCK_M // 64
     w, x, ids, tw, shared, cfg = _host_side_case(order)
-    seen = []
+    seen, seen_down = [], []
+
+    def thirds(blocks, sorted_pair, num_m, n_local, group_m):
+        """The kernel's 192-row blocks as the Triton kernels' 64-row ones: each third its block's
+        expert, idle where it starts with padding; with groups (-1) their table in thirds too."""
+        first_rows = sorted_pair[: num_m * mg.TRIO_BLOCK_M].view(parts * num_m, 64)[:, 0]
+        out = torch.where(first_rows >= 0, blocks[:num_m].repeat_interleave(parts), n_local)
+        if group_m < 0:
+            out = torch.cat([out, (blocks[num_m:].view(num_m, 2) * parts).repeat_interleave(parts, 0).reshape(-1)])
+        return out.to(torch.int32)
 
     def gate_up(xg, xsg, w_t, ws_t, blocks, sorted_pair, num_m, n_local, n, act, alpha, limit, beta, group_m):
         seen.append((num_m, group_m))
         rows, hidden = xg.shape
         assert rows == num_m * mg.TRIO_BLOCK_M
-        # the kernel's 192-row blocks as the Triton kernel's 64-row ones: each third its block's
-        # expert, idle where it starts with padding; with groups (-1) their table in thirds too
-        first_rows = sorted_pair[:rows].view(parts * num_m, 64)[:, 0]
-        thirds = torch.where(first_rows >= 0, blocks[:num_m].repeat_interleave(parts), n_local)
-        if group_m < 0:
-            thirds = torch.cat([thirds, (blocks[num_m:].view(num_m, 2) * parts).repeat_interleave(parts, 0).reshape(-1)])
         h = torch.full((rows, n), float("nan")).to(xg.dtype)
         hs = torch.full((rows, n // 128), float("nan"))
         kt._gate_up_act_kernel[(parts * num_m * (n // 128),)](
-            xg, xsg, w_t, ws_t, torch.arange(rows, dtype=torch.int32), thirds.to(torch.int32), h, hs,
+            xg, xsg, w_t, ws_t, torch.arange(rows, dtype=torch.int32), thirds(blocks, sorted_pair, num_m, n_local,
+                                                                              group_m), h, hs,
             hidden, n, n, 1, n_local, parts * num_m, n // 128, xg.stride(0), xsg.stride(0), h.stride(0), hs.stride(0),
             alpha, limit, beta, False, ACT=act, FP8=True, OUT_KIND=1, INTERP=True, UPCAST=False, IEEE=False, BM=64,
             BN=128, BK=128, ONE_DOT=True, GROUP_M=group_m * parts if group_m > 0 else group_m, num_warps=4,
             num_stages=2)
         return h, hs
 
+    def down(h, hs, w_t, ws_t, blocks, sorted_pair, topk_w, num_m, n_local, n_out, group_m):
+        seen_down.append((num_m, group_m))
+        rows, n = h.shape
+        assert rows == num_m * mg.TRIO_BLOCK_M
+        y = torch.full((rows, n_out), float("nan")).to(torch.bfloat16)
+        kt._down_kernel[(parts * num_m * (n_out // 128),)](
+            h, hs, w_t, ws_t, sorted_pair, thirds(blocks, sorted_pair, num_m, n_local, group_m), topk_w, y,
+            n_out, n_local, parts * num_m, n_out // 128, h.stride(0), hs.stride(0), y.stride(0), K=n, K_SHARED=n,
+            SHARED=True, FP8=True, OUT_KIND=1, INTERP=True, UPCAST=False, IEEE=False, BM=64, BN=128, BK=128,
+            GROUP_M=group_m * parts if group_m > 0 else group_m, num_warps=4, num_stages=2)
+        return y
+
     monkeypatch.setattr(mg, "gate_up_act_trio", gate_up)
+    monkeypatch.setattr(mg, "down_trio", down)
     monkeypatch.setattr(kt, "quantize_scatter_fp8", _scatter_by_torch)
     out = {}
-    for gemm in ("triton", "gluon192"):
+    for gemm, down_gemm in (("triton", "auto"), ("gluon192", "triton"), ("gluon192", "auto")):
         monkeypatch.setattr(kt, "gluon_fits", lambda *a, _on=gemm != "triton": _on)
-        with override_kernel_options(moe_gemm=gemm):
-            out[gemm] = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, w.w13_scale, w.w2_scale, 0, "swigluoai",
-                                             w.alpha, w.limit, w.beta, w.num_experts, cfg, shared=shared)
-    # one launch, its order in 192-row blocks (groups of 4 x 64 rows: 1 block)
+        with override_kernel_options(moe_gemm=gemm, moe_down=down_gemm):
+            out[gemm, down_gemm] = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, w.w13_scale, w.w2_scale, 0,
+                                                        "swigluoai", w.alpha, w.limit, w.beta, w.num_experts, cfg,
+                                                        shared=shared)
+    # the gate/up twice, the Gluon down once (moe_down=auto), in 192-row blocks (groups of 4 x 64 rows: 1 block)
     want_group = {-1: -1, 4: max(4 // parts, 1), 0: 0}[order["GROUP_M"]]
-    assert len(seen) == 1 and seen[0][1] == want_group, seen
-    assert not torch.isnan(out["triton"]).any()
-    assert torch.equal(out["gluon192"], out["triton"])
+    assert [g for _, g in seen] == [want_group] * 2, seen
+    assert seen_down == seen[:1], seen_down
+    assert not torch.isnan(out["triton", "auto"]).any()
+    assert torch.equal(out["gluon192", "triton"], out["triton", "auto"])
+    assert torch.equal(out["gluon192", "auto"], out["triton", "auto"])
 
 
 def test_auto_takes_the_192_row_gluon_gate_up_from_256_rows_per_expert():
@@ -886,17 +907,19 @@ def test_where_the_gluon_gate_up_runs(monkeypatch):
 @pytest.mark.parametrize("gemm", ["gluon", "gluon192"])
 def test_gpu_gluon_gate_up_against_cpu_reference(tokens, gemm, monkeypatch):
     """moe_gemm=gluon / gluon192 (kernels/moe_gluon.py) on an sm_90 GPU: the warp-specialized gate/up
-    kernel runs (counted) and the op matches the CPU reference as the Triton kernels do."""
+    kernel runs (counted; with gluon192 the Gluon down too) and the op matches the CPU reference as
+    the Triton kernels do."""
     import minimax_backend.kernels.moe_gluon as mg
     import minimax_backend.kernels.moe_triton as kt
     from minimax_backend.kernels.options import kernel_options
 
     if not mg.gluon_available(torch.device("cuda")):
         pytest.skip("needs triton's Gluon and an sm_90 GPU")
-    launched = []
+    launched, downs = [], []
     name = {"gluon": "gate_up_act", "gluon192": "gate_up_act_trio"}[gemm]
-    real = getattr(mg, name)
+    real, real_down = getattr(mg, name), mg.down_trio
     monkeypatch.setattr(mg, name, lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    monkeypatch.setattr(mg, "down_trio", lambda *a, **kw: downs.append(1) or real_down(*a, **kw))
     with override_kernel_options(moe_gemm=gemm):
         test_gpu_kernels_against_cpu_reference("m3_fp8", tokens)
         why = {"options": kernel_options().to_dict(), "same_module": kt.moe_gluon is mg,
@@ -905,6 +928,8 @@ def test_gpu_gluon_gate_up_against_cpu_reference(tokens, gemm, monkeypatch):
     # import had loaded a second copy of our kernels, whose options the override did not reach
     # (fixed; tests/test_import_names.py). Say what was in force if it ever does again
     assert launched, why
+    # the Gluon down runs over the 192-row blocks (moe_down=auto), never after the 64-row gate/up
+    assert len(downs) == (len(launched) if gemm == "gluon192" else 0), (len(downs), len(launched))
 
 
 @pytest.mark.gpu
@@ -929,5 +954,8 @@ def test_gpu_gluon_gate_up_equals_the_triton_kernel_bit_for_bit():
     for kernels in ("triton", "gluon", "gluon192"):
         with override_kernel_options(moe_gemm=kernels):
             out[kernels] = kt.grouped_gated_mlp(x, *common, shared=shared)
+    with override_kernel_options(moe_gemm="gluon192", moe_down="triton"):  # the 192-row gate/up, the Triton down
+        out["gluon192_triton_down"] = kt.grouped_gated_mlp(x, *common, shared=shared)
     assert torch.equal(out["gluon"], out["triton"])
-    assert torch.equal(out["gluon192"], out["triton"])
+    assert torch.equal(out["gluon192_triton_down"], out["triton"])
+    assert torch.equal(out["gluon192"], out["triton"])  # the Gluon down too (moe_down=auto)

@@ -317,6 +317,27 @@ def test_moe_gluon_192_row_gate_up_compiles_warp_specialized_without_spills(tmp_
     assert spilled == 0, spilled
 
 
+
+GLUON_DOWN_TRIO_SIG = {"h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w_table": "*i64", "ws_table": "*i64",
+                       "block_expert": "*i32", "sorted_pair": "*i32", "topk_w": "*fp32", "y_ptr": "*bf16",
+                       "rows_total": "i32", "n_local": "i32", "num_m_blocks": "i32", "num_n_tiles": "i32"}
+
+
+def test_moe_gluon_192_row_down_compiles_warp_specialized_without_spills(tmp_path):
+    """The Gluon down GEMM over 192-row tiles (moe_gluon.down_trio) at M3's widths: wgmma,
+    setmaxnreg, shared memory within the H200's, no register spills at DOWN_TRIO_CONFIG."""
+    from minimax_backend.kernels import moe_gluon as mg
+
+    if not mg.HAVE_GLUON:
+        pytest.skip(f"triton {triton.__version__} has no Gluon")
+    for group_m in (4, -1):
+        kernel = compiled_gluon_sm90(mg._down_trio_kernel, GLUON_DOWN_TRIO_SIG,
+                                     dict(N_OUT=6144, K=3072, GROUP_M=group_m, num_warps=4, **mg.DOWN_TRIO_CONFIG), 4)
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
+        assert kernel.metadata.shared <= H200_SHARED_BYTES
+        assert local_memory_bytes(kernel, tmp_path) == 0, group_m
+
 def test_moe_route_and_alignment_kernels_compile(moe):
     from minimax_backend.kernels import moe_align_triton as al
     from minimax_backend.kernels import moe_route_triton as rt

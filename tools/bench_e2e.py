@@ -25,6 +25,8 @@ values: the attention cost does not depend on them). Variants:
   minimax-moe-gluon  ours with kernel option moe_gemm=gluon (the Gluon gate/up GEMM
                    at FP8 prefill sizes required: an error without sm_90)
   minimax-moe-gluon192  ours with kernel option moe_gemm=gluon192 (its 192-row form)
+  minimax-moe-triton-down  ours with kernel option moe_down=triton (the Triton down GEMM
+                   after the 192-row gate/up instead of the Gluon one over the same blocks)
   eager            the plain model as written (the numerics reference)
   inductor         torch.compile(plain model); reduce-overhead: with CUDA graphs.
                    Under tracing the plain model's MoE runs every local expert on
@@ -83,6 +85,7 @@ KERNEL_VARIANTS = {
     "minimax-moe-triton": {"moe_gemm": "triton"},
     "minimax-moe-gluon": {"moe_gemm": "gluon"},
     "minimax-moe-gluon192": {"moe_gemm": "gluon192"},
+    "minimax-moe-triton-down": {"moe_down": "triton"},
 }
 VARIANTS = ("eager", "torch-grouped", "inductor", "reduce-overhead", "minimax", *ABLATIONS, *KERNEL_VARIANTS)
 DEFAULT_VARIANTS = ("eager", "torch-grouped", "minimax", *ABLATIONS)

@@ -163,6 +163,9 @@ def main(argv=None) -> None:
     p.add_argument("--moe-gemm", nargs="+", choices=["triton", "gluon", "gluon192"], default=["triton"],
                    help="the FP8 gate/up kernel (kernel option moe_gemm; gluon: the warp-specialized kernel of "
                         "kernels/moe_gluon.py, sm_90 only, at its BLOCK_M 64 tiles; gluon192: its 192-row form)")
+    p.add_argument("--moe-down", nargs="+", choices=["auto", "triton"], default=["auto"],
+                   help="the FP8 down kernel after the 192-row gate/up (kernel option moe_down; auto: the Gluon "
+                        "kernel over the same blocks); the other gate/up kernels are followed by the Triton one")
     p.add_argument("--preset", default="m3")
     p.add_argument("--calls", type=int, default=3, help="profiled calls per config")
     p.add_argument("--sustained", type=seconds_arg, default=0.0, metavar="SECONDS",
@@ -203,16 +206,17 @@ def main(argv=None) -> None:
             cfg, blk = build_block(args.preset, 0, 1, fp8, device)
             configs = args.configs or (FP8_CONFIGS if fp8 else BF16_CONFIGS)
             for tokens in args.tokens:
-                for gemm in args.moe_gemm if fp8 else ["triton"]:
-                    with torch.no_grad(), override_kernel_options(moe_gemm=gemm):
+                for gemm, down in [(g, d) for g in (args.moe_gemm if fp8 else ["triton"])
+                                   for d in (args.moe_down if g == "gluon192" else ["triton"])]:
+                    with torch.no_grad(), override_kernel_options(moe_gemm=gemm, moe_down=down):
                         found = sweep(blk, cfg, tokens, configs, args.calls, device, tuple(args.gate_up),
                                       _orders(args), args.sustained, power)
                     for r in found:  # tagged in place: the sampler's windows hold these same dicts
-                        r.update(precision=precision, moe_gemm=gemm)
+                        r.update(precision=precision, moe_gemm=gemm, moe_down="gluon192" if down == "auto" else down)
                     rows += found
             del blk
     ok = [r for r in rows if "error" not in r]
-    print_table(ok, ["precision", "moe_gemm", "tokens", "config", "gate_up", "group_m", "call_us", "gate_up_us",
+    print_table(ok, ["precision", "moe_gemm", "moe_down", "tokens", "config", "gate_up", "group_m", "call_us", "gate_up_us",
                      "gate_up_tflops", "down_us", "down_tflops", "rest_us", "layer_tflops",
                      *(["sustained_us", "sustained_layer_tflops", "sm_mhz", "watts"] if args.sustained else [])],
                 title="MoE grouped GEMMs per tile config")
