@@ -1,4 +1,4 @@
-"""The FP8 gate/up GEMM of the grouped MoE at prefill sizes, warp-specialized in Gluon (Hopper).
+"""The FP8 expert GEMMs of the grouped MoE at prefill sizes, warp-specialized in Gluon (Hopper).
 
 The Triton loop of moe_triton.py stays near 600 TFLOP/s at prefill sizes: a plain Triton FP8
 block-scaled GEMM tops out there on a dense problem too. What goes further on Hopper is the
@@ -19,8 +19,8 @@ rows must already be in sorted order (TMA cannot gather rows on Hopper):
 kernels/moe_quant_scatter.py quantizes them straight into it. Each program makes
 the TMA descriptor of its expert's weights in the kernel (one tensor per expert, addressed
 through moe_triton's pointer table), which takes a little global scratch per launch from
-triton's allocator (one is set here if there is none). The down GEMM stays the Triton kernel:
-its warp-specialized version measured slower (kernel-notes). It is the default on sm_90 since
+triton's allocator (one is set here if there is none). After it the down GEMM is the Triton
+kernel: a warp-specialized down over the same 64-row blocks measured slower (kernel-notes). It is the default on sm_90 since
 2026-12-03 (kernel option moe_gemm=auto): the layer was 2-4% faster with it at 8192-16384
 tokens, burst and back to back at the card's power limit (docs/kernel-notes.md#moe-at-the-power-limit).
 
@@ -30,6 +30,10 @@ cover 128 columns of h in two passes, the first pass's h parked in shared memory
 quantization. A third group keeps the tensor cores busy while the others scale their products,
 and a weight tile serves 192 rows instead of 64: the layer is 2-6% faster at 8192-16384 tokens,
 and the default there (kernel option moe_gemm=auto; moe_triton.TRIO_MIN_ROWS_PER_EXPERT).
+down_trio is the down GEMM over the same blocks, warp-specialized the same way (three groups of
+64 rows on one [128, 128] weight tile per K step), with the Triton down kernel's epilogue (bf16,
+times the routing weight, bf16): 12% faster than the Triton kernel at 8192 tokens, even at 16384
+(kernel option moe_down=auto follows the 192-row gate/up).
 
 FP8 only, routed and shared experts of one width. The output equals the Triton kernel's bit for
 bit (the same float32 products summed in the same order: tests/test_moe_triton.py).

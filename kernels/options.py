@@ -69,7 +69,14 @@ docs/kernel-notes.md). Who runs them:
   GPU suite passed with it as the default (twelfth session). triton is the loop it replaced;
   gluon makes a GPU without it an error. The GPU tests of tests/test_moe_triton.py run all
   three, tools/tune_moe.py --moe-gemm times them, tools/bench_e2e.py --variants
-  minimax-moe-triton / minimax-moe-gluon run the model with them;
+  minimax-moe-triton / minimax-moe-gluon run the model with them. Since 2026-12-04 (fifteenth
+  session) auto runs the gate/up over 192-row blocks from 256 rows per expert (gluon192 pins
+  it): the layer 2-6% faster at 8192-16384 tokens, the GPU tests passing with it;
+* moe_down: auto (the default since 2026-12-04) runs the Gluon down GEMM over the same 192-row
+  blocks wherever the gate/up runs in that form: bit-equal to the Triton down (GPU tests), 12%
+  faster than it at 8192 tokens and even at 16384, the layer back to back 1-2% faster
+  (docs/kernel-notes.md#the-down-gemm-over-the-same-blocks); triton keeps the Triton kernel,
+  tools/tune_moe.py --moe-down and bench_e2e's minimax-moe-triton-down compare the two;
 * allreduce_norm=symm_mem: the fused kernel's math runs in the CPU interpreter
   tests (tests/test_allreduce_norm_kernel.py); the symmetric-memory part needs
   several GPUs and has not run yet, so it is not the default.
