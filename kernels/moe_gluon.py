@@ -223,6 +223,51 @@ if HAVE_GLUON:
     # ---- 192-row tiles: three 64-row groups of one expert share each weight tile ----
 
     @gluon.jit
+    def _trio_block(block_expert, sorted_pair, w_table, ws_table, n_local, num_m_blocks, num_n_tiles,
+                    K: gl.constexpr, GROUP_M: gl.constexpr):
+        """This program's 192-row block and column tile: (column tile, first row, K steps, whether each
+        64-row group holds rows, the expert's weight and block-scale pointers). An idle block runs no
+        K step and stores nothing."""
+        pid_m, pid_n = _tile_of(gl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
+        e = gl.load(block_expert + pid_m)
+        active = e < n_local
+        e = gl.minimum(e, n_local - 1)
+        n_steps = gl.where(active, K // 128, 0)
+        off_m = pid_m * 192
+        # an expert's rows come first in its run, so a group that starts with padding is all padding
+        second = active & (gl.load(sorted_pair + off_m + 64) >= 0)
+        third = active & (gl.load(sorted_pair + off_m + 128) >= 0)
+        w = gl.load(w_table + e).to(gl.pointer_type(gl.float8e4nv))
+        ws = gl.load(ws_table + e).to(gl.pointer_type(gl.float32))
+        return pid_n, off_m, n_steps, active, second, third, w, ws
+
+    @gluon.jit
+    def _trio_barriers(STAGES: gl.constexpr):
+        """Each stage's ready barrier (the producer's loads landed) and empty one (the three consumer
+        groups released it)."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=3)
+        return ready, empty
+
+    @gluon.jit
+    def _trio_rows_into_stage(a_desc, a0_smem, a1_smem, a2_smem, ready, empty, it, off_m, k, nbytes: gl.constexpr,
+                              STAGES: gl.constexpr):
+        """The producer's iteration `it`: wait until its stage is free, expect nbytes on the stage's
+        ready barrier and load the block's three 64-row tiles at column k into it; the stage's index
+        (the caller adds the weight tile)."""
+        s = it % STAGES
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, nbytes)
+        _tma_load(a_desc, [off_m, k], bar, a0_smem.index(s))
+        _tma_load(a_desc, [off_m + 64, k], bar, a1_smem.index(s))
+        _tma_load(a_desc, [off_m + 128, k], bar, a2_smem.index(s))
+        return s
+
+    @gluon.jit
     def _trio_producer(a_desc, h_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
                        N: gl.constexpr, STAGES: gl.constexpr):
         """The producer warp, for each half of the program's 128 columns of h and each K step: the
@@ -232,14 +277,9 @@ if HAVE_GLUON:
         nbytes: gl.constexpr = 3 * a_desc.block_type.nbytes + 2 * h_desc.block_type.nbytes
         for j in gl.static_range(2):
             for ki in range(n_steps):
-                it = j * n_steps + ki
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+                s = _trio_rows_into_stage(a_desc, a0_smem, a1_smem, a2_smem, ready, empty, j * n_steps + ki, off_m,
+                                          ki * BK, nbytes, STAGES)
                 bar = ready.index(s)
-                mbarrier.expect(bar, nbytes)
-                _tma_load(a_desc, [off_m, ki * BK], bar, a0_smem.index(s))
-                _tma_load(a_desc, [off_m + 64, ki * BK], bar, a1_smem.index(s))
-                _tma_load(a_desc, [off_m + 128, ki * BK], bar, a2_smem.index(s))
                 b = b_smem.index(s)
                 _tma_load(h_desc, [off_n + 64 * j, ki * BK], bar, b.slice(0, 64))
                 _tma_load(h_desc, [N + off_n + 64 * j, ki * BK], bar, b.slice(64, 64))
@@ -320,17 +360,8 @@ if HAVE_GLUON:
         """gate_up + act of one [192, 128] tile of h: warp groups 0, 1, 2 rows 0-63, 64-127, 128-191,
         all from the same [128, 128] weight tiles (gate over up, 64 columns of h at a time)."""
         BK: gl.constexpr = 128
-        pid_m, pid_n = _tile_of(gl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
-        e = gl.load(block_expert + pid_m)
-        active = e < n_local
-        e = gl.minimum(e, n_local - 1)  # idle blocks run no K step and store nothing
-        n_steps = gl.where(active, K // BK, 0)
-        off_m = pid_m * 192
-        # an expert's rows come first in its run, so a group that starts with padding is all padding
-        second = active & (gl.load(sorted_pair + off_m + 64) >= 0)
-        third = active & (gl.load(sorted_pair + off_m + 128) >= 0)
-        w = gl.load(w_table + e).to(gl.pointer_type(gl.float8e4nv))
-        ws = gl.load(ws_table + e).to(gl.pointer_type(gl.float32))
+        pid_n, off_m, n_steps, active, second, third, w, ws = _trio_block(
+            block_expert, sorted_pair, w_table, ws_table, n_local, num_m_blocks, num_n_tiles, K, GROUP_M)
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         a_desc = tma.make_tensor_descriptor(x_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
@@ -347,11 +378,7 @@ if HAVE_GLUON:
         park0 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], plain)
         park1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], plain)
         park2 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], plain)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=3)
+        ready, empty = _trio_barriers(STAGES)
         off_n = pid_n * 128
         gl.warp_specialize([
             (_trio_consumer, (a0_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi0, park0, off_m, off_n,
@@ -374,14 +401,9 @@ if HAVE_GLUON:
         BK: gl.constexpr = 128
         nbytes: gl.constexpr = 3 * h_desc.block_type.nbytes + w_desc.block_type.nbytes
         for ki in range(n_steps):
-            s = ki % STAGES
-            mbarrier.wait(empty.index(s), ((ki // STAGES) & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, nbytes)
-            _tma_load(h_desc, [off_m, ki * BK], bar, a0_smem.index(s))
-            _tma_load(h_desc, [off_m + 64, ki * BK], bar, a1_smem.index(s))
-            _tma_load(h_desc, [off_m + 128, ki * BK], bar, a2_smem.index(s))
-            _tma_load(w_desc, [off_n, ki * BK], bar, b_smem.index(s))
+            s = _trio_rows_into_stage(h_desc, a0_smem, a1_smem, a2_smem, ready, empty, ki, off_m, ki * BK, nbytes,
+                                      STAGES)
+            _tma_load(w_desc, [off_n, ki * BK], ready.index(s), b_smem.index(s))
 
     @gluon.jit
     def _down_trio_consumer(a_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m, off_n,
@@ -415,17 +437,8 @@ if HAVE_GLUON:
         """y of one [192, 128] tile: warp groups 0, 1, 2 rows 0-63, 64-127, 128-191 of the block,
         all from the same [128, 128] tiles of the expert's down weight."""
         BK: gl.constexpr = 128
-        pid_m, pid_n = _tile_of(gl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
-        e = gl.load(block_expert + pid_m)
-        active = e < n_local
-        e = gl.minimum(e, n_local - 1)  # idle blocks run no K step and store nothing
-        n_steps = gl.where(active, K // BK, 0)
-        off_m = pid_m * 192
-        # an expert's rows come first in its run, so a group that starts with padding is all padding
-        second = active & (gl.load(sorted_pair + off_m + 64) >= 0)
-        third = active & (gl.load(sorted_pair + off_m + 128) >= 0)
-        w = gl.load(w_table + e).to(gl.pointer_type(gl.float8e4nv))
-        ws = gl.load(ws_table + e).to(gl.pointer_type(gl.float32))
+        pid_n, off_m, n_steps, active, second, third, w, ws = _trio_block(
+            block_expert, sorted_pair, w_table, ws_table, n_local, num_m_blocks, num_n_tiles, K, GROUP_M)
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         h_desc = tma.make_tensor_descriptor(h_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
@@ -435,11 +448,7 @@ if HAVE_GLUON:
         a1_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
         a2_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
         b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], smem_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=3)
+        ready, empty = _trio_barriers(STAGES)
         off_n = pid_n * 128
         gl.warp_specialize([
             (_down_trio_consumer, (a0_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m, off_n,
