@@ -691,10 +691,12 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError("grouped_gated_mlp: GROUP_M -1 (groups by expert) needs EXPERT_GROUPS, the largest group")
     gluon = fp8 and gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared)
     # the Gluon gate/up over 192-row blocks (three 64-row groups share each weight tile): the
-    # experts' runs are padded to 192 and the down kernel takes them as 64-row thirds
-    # the pairs this rank's experts take, on average (routing spreads them; the shared slot takes every token)
+    # experts' runs are padded to 192, and the down GEMM runs over the same blocks (Gluon) or takes
+    # them as 64-row thirds (Triton). local_pairs: the pairs this rank's experts take, on average
+    # (routing spreads them; the shared slot takes every token)
     local_pairs = t * routed_k * n_local // max(num_experts, 1) + (t if shared is not None else 0)
     trio = gluon and trio_fits(local_pairs, n_experts)
+    gluon_down = gluon_down_fits(trio)
     align_m = moe_gluon.TRIO_BLOCK_M if trio else bm
     parts = align_m // bm  # the down kernel's 64-row blocks in each gate/up block
     if single_expert:
@@ -709,8 +711,10 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if trio:
         gate_up_blocks = _with_groups(al.block_expert, num_m, max(group_m // parts, 1) if group_m > 0 else group_m,
                                       max(cfg.get("EXPERT_GROUPS", parts) // parts, 1))
-        block_expert = _parts(al, num_m, parts, n_experts, gate_up_blocks if group_m < 0 else None)
-        num_m = parts * num_m  # the down kernel's 64-row blocks
+        # the Triton down's 64-row blocks (the Gluon down reads gate_up_blocks)
+        block_expert = None if gluon_down else _parts(al, num_m, parts, n_experts,
+                                                      gate_up_blocks if group_m < 0 else None)
+        num_m = parts * num_m  # in 64-row blocks
     else:
         block_expert = _with_groups(al.block_expert, num_m, group_m, cfg.get("EXPERT_GROUPS", 0))
     if gluon:
@@ -749,7 +753,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn,
             BK=bk, ONE_DOT=one_dot, GROUP_M=group_m, **launch,
         )
-    if gluon_down_fits(trio):
+    if gluon_down:
         # the Gluon down GEMM over the same 192-row blocks, in the gate/up's order
         y = moe_gluon.down_trio(h, hs, w2_t, ws2_t, gate_up_blocks, al.sorted_pair, tw, num_m // parts, n_experts,
                                 hidden, max(group_m // parts, 1) if group_m > 0 else group_m)
@@ -818,8 +822,8 @@ def gluon_fits(device: torch.device, dtype: torch.dtype, hidden: int, cfg: dict,
 
 # From this many rows per expert on average (the shared slot counted) the Gluon gate/up runs in
 # 192-row blocks under moe_gemm=auto: one H200, M3's FP8 layer back to back, 16384 tokens (640 rows
-# per expert) 6.3% faster, 8192 (320) 2.1%, 4096 (160) 1.2% slower from the padding to 192
-# (docs/kernel-notes.md#three-warp-groups-over-192-row-blocks).
+# per expert) 6.3% faster, 8192 (320) 2.1%, 6144 (240) even, 4096 (160) 1.2-2.3% slower from the
+# padding to 192 (docs/kernel-notes.md#three-warp-groups-over-192-row-blocks).
 TRIO_MIN_ROWS_PER_EXPERT = 256
 
 
