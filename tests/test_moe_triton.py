@@ -902,6 +902,43 @@ def test_where_the_gluon_gate_up_runs(monkeypatch):
                     kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
 
 
+
+def test_the_gluon_down_follows_the_192_row_gate_up():
+    """moe_down=auto: the Gluon down wherever the gate/up runs over 192-row blocks, never after the
+    64-row or Triton gate/up (their layout is in 64-row blocks); triton: never."""
+    import minimax_backend.kernels.moe_triton as kt
+
+    with override_kernel_options(moe_down="auto"):
+        assert kt.gluon_down_fits(True) and not kt.gluon_down_fits(False)
+    with override_kernel_options(moe_down="triton"):
+        assert not kt.gluon_down_fits(True) and not kt.gluon_down_fits(False)
+
+
+def test_gluon_entry_points_name_a_layout_they_cannot_take():
+    """The Gluon launchers check the layout before anything runs (no GPU needed): rows that are not
+    whole blocks, widths that are not whole 128-wide tiles, too few sorted rows. A clear error,
+    never a kernel reading past a buffer."""
+    import minimax_backend.kernels.moe_gluon as mg
+
+    if not mg.HAVE_GLUON:
+        pytest.skip("this triton has no Gluon")
+    f8, i32, i64, f32 = torch.float8_e4m3fn, torch.int32, torch.int64, torch.float32
+    table, blocks = torch.zeros(2, dtype=i64), torch.zeros(4, dtype=i32)
+    x, xs = torch.zeros(190, 256, dtype=f8), torch.zeros(190, 2)
+    with pytest.raises(ValueError, match="190 rows for 1 blocks of 192"):
+        mg.gate_up_act_trio(x, xs, table, table, blocks, torch.zeros(192, dtype=i32), 1, 2, 256, 0, 1.7, 7.0, 1.0, 4)
+    x, xs = torch.zeros(192, 256, dtype=f8), torch.zeros(192, 2)
+    with pytest.raises(ValueError, match="100 sorted rows"):
+        mg.gate_up_act_trio(x, xs, table, table, blocks, torch.zeros(100, dtype=i32), 1, 2, 256, 0, 1.7, 7.0, 1.0, 4)
+    with pytest.raises(ValueError, match="n 200"):
+        mg.gate_up_act(torch.zeros(64, 256, dtype=f8), torch.zeros(64, 2), table, table, blocks, 1, 2, 200, 0, 1.7,
+                       7.0, 1.0, 4)
+    h, hs, tw = torch.zeros(192, 256, dtype=f8), torch.zeros(192, 2), torch.zeros(192, dtype=f32)
+    with pytest.raises(ValueError, match="192 rows for 2 blocks of 192"):
+        mg.down_trio(h, hs, table, table, blocks, torch.zeros(384, dtype=i32), tw, 2, 2, 256, 4)
+    with pytest.raises(ValueError, match="n_out 300"):
+        mg.down_trio(h, hs, table, table, blocks, torch.zeros(192, dtype=i32), tw, 1, 2, 300, 4)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [999, 1000])  # the FP8 prefill tiles (BLOCK_M 64), an odd count
 @pytest.mark.parametrize("gemm", ["gluon", "gluon192"])
