@@ -20,8 +20,8 @@ kernels/moe_quant_scatter.py quantizes them straight into it. Each program makes
 the TMA descriptor of its expert's weights in the kernel (one tensor per expert, addressed
 through moe_triton's pointer table), which takes a little global scratch per launch from
 triton's allocator (one is set here if there is none). After it the down GEMM is the Triton
-kernel: a warp-specialized down over the same 64-row blocks measured slower (kernel-notes). It is the default on sm_90 since
-2026-12-03 (kernel option moe_gemm=auto): the layer was 2-4% faster with it at 8192-16384
+kernel: a warp-specialized down over the same 64-row blocks measured slower (kernel-notes). It
+is the default on sm_90 since 2026-12-03 (kernel option moe_gemm=auto): the layer was 2-4% faster with it at 8192-16384
 tokens, burst and back to back at the card's power limit (docs/kernel-notes.md#moe-at-the-power-limit).
 
 gate_up_act_trio runs the same math over 192-row blocks: three consumer warp groups of 64 rows
@@ -253,6 +253,14 @@ if HAVE_GLUON:
         return ready, empty
 
     @gluon.jit
+    def _release_stages(ready, empty, n_iters, STAGES: gl.constexpr):
+        """A consumer group whose rows are all padding: take each stage as it lands and release it."""
+        for it in range(n_iters):
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            mbarrier.arrive(empty.index(s), count=1)
+
+    @gluon.jit
     def _trio_rows_into_stage(a_desc, a0_smem, a1_smem, a2_smem, ready, empty, it, off_m, k, nbytes: gl.constexpr,
                               STAGES: gl.constexpr):
         """The producer's iteration `it`: wait until its stage is free, expect nbytes on the stage's
@@ -347,10 +355,7 @@ if HAVE_GLUON:
             gl.store(h_ptr + out_rows[:, None] * N + (cols + 64)[None, :], q1.to(gl.float8e4nv))
             gl.store(hs_ptr + out_rows * (N // 128) + pid_n, scale)
         else:
-            for it in range(2 * n_steps):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                mbarrier.arrive(empty.index(s), count=1)
+            _release_stages(ready, empty, 2 * n_steps, STAGES)
 
     @gluon.jit
     def _gate_up_trio_kernel(x_ptr, xs_ptr, w_table, ws_table, block_expert, sorted_pair, h_ptr, hs_ptr,
@@ -424,10 +429,7 @@ if HAVE_GLUON:
             mask = valid[:, None] & (cols < N_OUT)[None, :]
             gl.store(y_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], y.to(gl.bfloat16), mask=mask)
         else:
-            for ki in range(n_steps):
-                s = ki % STAGES
-                mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
-                mbarrier.arrive(empty.index(s), count=1)
+            _release_stages(ready, empty, n_steps, STAGES)
 
     @gluon.jit
     def _down_trio_kernel(h_ptr, hs_ptr, w_table, ws_table, block_expert, sorted_pair, topk_w, y_ptr, rows_total,

@@ -708,8 +708,10 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     num_m = used_blocks(al, ids.numel())
     rows = num_m * align_m
     dev = x.device
+    # the program order in 192-row blocks: groups of GROUP_M 64-row blocks in thirds (at least one)
+    trio_group_m = max(group_m // parts, 1) if group_m > 0 else group_m
     if trio:
-        gate_up_blocks = _with_groups(al.block_expert, num_m, max(group_m // parts, 1) if group_m > 0 else group_m,
+        gate_up_blocks = _with_groups(al.block_expert, num_m, trio_group_m,
                                       max(cfg.get("EXPERT_GROUPS", parts) // parts, 1))
         # the Triton down's 64-row blocks (the Gluon down reads gate_up_blocks)
         block_expert = None if gluon_down else _parts(al, num_m, parts, n_experts,
@@ -738,7 +740,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if trio:
         h, hs = moe_gluon.gate_up_act_trio(xq, xs, w13_t, ws13_t, gate_up_blocks, al.sorted_pair, num_m // parts,
                                            n_experts, n, _ACT[kind], float(alpha), float(limit), float(beta),
-                                           max(group_m // parts, 1) if group_m > 0 else group_m)
+                                           trio_group_m)
     elif gluon:
         h, hs = moe_gluon.gate_up_act(xq, xs, w13_t, ws13_t, block_expert, num_m, n_experts, n,
                                       _ACT[kind], float(alpha), float(limit), float(beta), group_m)
@@ -756,7 +758,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if gluon_down:
         # the Gluon down GEMM over the same 192-row blocks, in the gate/up's order
         y = moe_gluon.down_trio(h, hs, w2_t, ws2_t, gate_up_blocks, al.sorted_pair, tw, num_m // parts, n_experts,
-                                hidden, max(group_m // parts, 1) if group_m > 0 else group_m)
+                                hidden, trio_group_m)
     else:
         y = torch.empty(rows, hidden, dtype=out_dt, device=dev)
         down_launch["num_stages"] = down_stages(down_launch["num_stages"], n_shared != n,

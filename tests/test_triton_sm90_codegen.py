@@ -317,7 +317,6 @@ def test_moe_gluon_192_row_gate_up_compiles_warp_specialized_without_spills(tmp_
     assert spilled == 0, spilled
 
 
-
 GLUON_DOWN_TRIO_SIG = {"h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w_table": "*i64", "ws_table": "*i64",
                        "block_expert": "*i32", "sorted_pair": "*i32", "topk_w": "*fp32", "y_ptr": "*bf16",
                        "rows_total": "i32", "n_local": "i32", "num_m_blocks": "i32", "num_n_tiles": "i32"}
@@ -337,6 +336,7 @@ def test_moe_gluon_192_row_down_compiles_warp_specialized_without_spills(tmp_pat
         assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
         assert kernel.metadata.shared <= H200_SHARED_BYTES
         assert local_memory_bytes(kernel, tmp_path) == 0, group_m
+
 
 def test_moe_route_and_alignment_kernels_compile(moe):
     from minimax_backend.kernels import moe_align_triton as al
