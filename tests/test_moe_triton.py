@@ -521,9 +521,10 @@ def test_host_side_of_the_192_row_gluon_gate_up_equals_the_triton_path(interp, o
     gate/up's block table and order (the groups in 192-row blocks), the down GEMM (the Gluon one on
     the same blocks and order, or the Triton kernel on the 64-row thirds: a third with no rows idle,
     the groups in thirds) and the combine. The Gluon kernels are replaced by the Triton ones over
-    the same sorted rows, in the order they are given; the rows they skip (thirds of padding) stay NaN. Expert 6 takes every token (201 rows: a 192-row
-    block, then 9 rows in the next one's first third), the shared expert too; the other slot
-    spreads, 3 experts idle. The output equals the Triton path's bit for bit."""
+    the same sorted rows, in the order they are given; the rows they skip (thirds of padding) stay
+    NaN. Expert 6 takes every token (201 rows: a 192-row block, then 9 rows in the next one's first
+    third), the shared expert too; the other slot spreads, 3 experts idle. The output equals the
+    Triton path's bit for bit."""
     import minimax_backend.kernels.moe_gluon as mg
 
     kt = interp
