@@ -12,11 +12,27 @@ selection after the logits:
     weights = scores[ids] / sum (if normalized) * routed_scaling
 
 The logits (float32 products of the float32 router weight and the activation
-rows, summed in float32) come from cuBLAS on x.float(), or, at decode sizes
-(up to LOGITS_MAX_TOKENS rows), from `_logits_kernel`, which reads the bf16 rows
-as they are: one launch instead of cuBLAS's cast, GEMM and split-K reduction
-(docs/kernel-notes.md#moe-routing). Its sums run in another order than cuBLAS's,
-so a logit may differ from torch's in the last bits.
+rows, summed in float32) come from one of three places:
+
+* at decode sizes (up to LOGITS_MAX_TOKENS rows), `_logits_kernel`, which reads
+  the bf16 rows as they are: one launch instead of cuBLAS's cast, GEMM and
+  split-K reduction (docs/kernel-notes.md#moe-routing);
+* above that, for bf16 rows, `logits_three_bf16`: the float32 weight is the
+  exact sum of three bf16 parts (hi + mid + lo: 8 significant bits each cover
+  float32's 24; `_split_bf16_kernel`, once per call), and a bf16 row value times
+  a bf16 part is exact in float32, so three tensor-core products give the
+  float32 GEMM's exact products. The tensor cores' own accumulation is not IEEE
+  float32 (it drops low bits), so each K step's products start in a fresh
+  accumulator that is added to a float32 sum; K is split into shares where the
+  row blocks alone would leave SMs idle. cuBLAS's float32 path instead casts
+  the rows to float32 (a copy twice their size) and runs a SIMT GEMM: 4.5-6x
+  slower at 4096-16384 tokens on the H200, and less accurate
+  (docs/kernel-notes.md#router-logits-at-prefill);
+* otherwise (float32 rows, or moe_router_logits=cublas) cuBLAS on x.float().
+
+Both kernels sum in another order than cuBLAS, so a logit may differ from
+torch's in the last bits, as cuBLAS's own split-K choices already make it differ
+between sizes.
 
 Differences from torch, all within what torch itself leaves open: the slot
 order (torch.topk(sorted=False) promises none; the combine sums the slots in
@@ -106,6 +122,139 @@ if HAVE_TRITON:
                  mask=(rt[:, None] < T) & (re[None, :] < E))
 
 
+    @triton.jit
+    def _split_bf16_kernel(w_ptr, parts_ptr, N, BLOCK: tl.constexpr):
+        """parts [3, N] bf16 with parts[0] + parts[1] + parts[2] == w exactly (float32 sums): each
+        part is the remainder's leading bits, and each remainder is exact (Sterbenz), whether the
+        cast rounds (the GPU) or truncates (the interpreter)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        hi = w.to(tl.bfloat16)
+        rest = w - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        tl.store(parts_ptr + offs, hi, mask=ok)
+        tl.store(parts_ptr + N + offs, mid, mask=ok)
+        tl.store(parts_ptr + 2 * N + offs, lo, mask=ok)
+
+    @triton.jit
+    def _logits_three_bf16_kernel(x_ptr, p_ptr, out_ptr, T, E, H, stride_x, stride_o, steps_per_split,
+                                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr):
+        """logits[BM tokens, BN experts] = x . (lo + mid + hi) (the weight's parts, [3, E, H]) over
+        this program's share of K (program_id(2): one of the split's shares, each its own [T, E]
+        slab of out). Each K step's three bf16 products go into a fresh accumulator that is then
+        added to the float32 sum, so the tensor cores' accumulation (not IEEE float32: it drops low
+        bits) covers BK products only. UPCAST (the interpreter, whose bf16 tl.dot is wrong): the
+        same exact values multiplied as float32."""
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        split = tl.program_id(2)
+        part = E * H
+        acc = tl.zeros((BM, BN), tl.float32)
+        k_begin = split * steps_per_split * BK
+        for k0 in range(k_begin, tl.minimum(k_begin + steps_per_split * BK, H), BK):
+            rk = k0 + tl.arange(0, BK)
+            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + rk[None, :],
+                        mask=(rm[:, None] < T) & (rk[None, :] < H), other=0.0)
+            w_at = p_ptr + rn[None, :].to(tl.int64) * H + rk[:, None]
+            w_ok = (rn[None, :] < E) & (rk[:, None] < H)
+            lo = tl.load(w_at + 2 * part, mask=w_ok, other=0.0)
+            mid = tl.load(w_at + part, mask=w_ok, other=0.0)
+            hi = tl.load(w_at, mask=w_ok, other=0.0)
+            if UPCAST:
+                x = x.to(tl.float32)
+                step = tl.dot(x, lo.to(tl.float32), input_precision="ieee")
+                step = tl.dot(x, mid.to(tl.float32), step, input_precision="ieee")
+                step = tl.dot(x, hi.to(tl.float32), step, input_precision="ieee")
+            else:
+                step = tl.dot(x, lo)
+                step = tl.dot(x, mid, step)
+                step = tl.dot(x, hi, step)
+            acc += step
+        out_ptr += split.to(tl.int64) * T * stride_o
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_o + rn[None, :], acc,
+                 mask=(rm[:, None] < T) & (rn[None, :] < E))
+
+
+# _logits_three_bf16_kernel's tiles (BM, BN, BK, warps, stages) from THREE_BF16_WIDE_FROM rows on,
+# and below (more shares of K, one warp group), measured on one H200
+# (docs/kernel-notes.md#router-logits-at-prefill).
+THREE_BF16_TILES = (128, 128, 64, 8, 3)
+THREE_BF16_NARROW_TILES = (64, 128, 64, 4, 3)
+THREE_BF16_WIDE_FROM = 1024
+
+
+def three_bf16_tiles(tokens: int) -> tuple[int, int, int, int, int]:
+    return THREE_BF16_TILES if tokens >= THREE_BF16_WIDE_FROM else THREE_BF16_NARROW_TILES
+
+SPLIT_BLOCK = 1024
+
+
+def router_logits_mode() -> str:
+    """The kernel option moe_router_logits (MINIMAX_MOE_ROUTER_LOGITS): auto (default) or cublas."""
+    return kernel_options().moe_router_logits
+
+
+def three_bf16_fits(x: torch.Tensor, router_weight: torch.Tensor) -> bool:
+    """Whether _logits_three_bf16_kernel computes these logits: bf16 rows (a float32 row value would
+    need splitting too), a float32 or bf16 weight, unit column strides."""
+    return (HAVE_TRITON and (x.is_cuda or triton_interpreting()) and x.dtype == torch.bfloat16
+            and router_weight.dtype in (torch.float32, torch.bfloat16)
+            and x.stride(1) == 1 and router_weight.stride(1) == 1)
+
+
+def split_bf16(w: torch.Tensor) -> torch.Tensor:
+    """[3, *w.shape] bf16 parts whose float32 sum is w exactly (see _split_bf16_kernel)."""
+    w = w.contiguous()
+    parts = torch.empty((3, *w.shape), dtype=torch.bfloat16, device=w.device)
+    _split_bf16_kernel[(triton.cdiv(w.numel(), SPLIT_BLOCK),)](w, parts, w.numel(), BLOCK=SPLIT_BLOCK, num_warps=4)
+    return parts
+
+
+def k_splits(tokens: int, experts: int, hidden: int, tiles: tuple[int, ...], sms: int) -> int:
+    """Shares of K for _logits_three_bf16_kernel: enough programs for every SM where the row
+    blocks alone are fewer (a program streams the whole weight through one SM: ~85 us at M3's
+    size on the H200, docs/kernel-notes.md#router-logits-at-prefill), each share at least 4 K steps."""
+    bm, bn, bk = tiles[:3]
+    blocks = triton.cdiv(tokens, bm) * triton.cdiv(experts, bn)
+    steps = triton.cdiv(hidden, bk)
+    return max(1, min(sms // blocks, steps // 4))
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def logits_three_bf16(x: torch.Tensor, router_weight: torch.Tensor,
+                      tiles: tuple[int, int, int, int, int] | None = None,
+                      splits: int | None = None) -> torch.Tensor:
+    """float32 [T, E] = x @ router_weight.float().T of bf16 rows: the weight split into three bf16
+    parts (split_bf16, one small launch), then _logits_three_bf16_kernel with `tiles` (default
+    three_bf16_tiles) over `splits` shares of K (default k_splits), whose float32 slabs are then
+    summed (deterministic)."""
+    if not three_bf16_fits(x, router_weight):
+        raise ValueError(f"logits_three_bf16: rows {x.dtype} (stride {tuple(x.stride())}), weight "
+                         f"{router_weight.dtype} (stride {tuple(router_weight.stride())}): needs bf16 rows, a float32 "
+                         "or bf16 weight, unit column strides, and Triton on the rows' device")
+    t, h = x.shape
+    e = router_weight.shape[0]
+    parts = split_bf16(router_weight)
+    tiles = tiles or three_bf16_tiles(t)
+    bm, bn, bk, warps, stages = tiles
+    steps = triton.cdiv(h, bk)
+    if splits is None:
+        splits = k_splits(t, e, h, tiles, _sm_count(x.device))
+    per_split = triton.cdiv(steps, max(1, min(splits, steps)))
+    splits = triton.cdiv(steps, per_split)  # no empty share
+    out = torch.empty(splits, t, e, dtype=torch.float32, device=x.device)
+    _logits_three_bf16_kernel[(triton.cdiv(t, bm), triton.cdiv(e, bn), splits)](
+        x, parts, out, t, e, h, x.stride(0), out.stride(1), per_split,
+        BM=bm, BN=bn, BK=bk, UPCAST=triton_interpreting(), num_warps=warps, num_stages=stages,
+    )
+    return out[0] if splits == 1 else out.sum(0)
+
+
 def logits_tiles(tokens: int) -> tuple[int, int, int]:
     """(BT, BE, BH) of _logits_kernel: every token in one block, one expert per program (128
     programs for M3), long K steps (measured on the H200: docs/kernel-notes.md#moe-routing)."""
@@ -114,10 +263,13 @@ def logits_tiles(tokens: int) -> tuple[int, int, int]:
 
 
 def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
-    """float32 [T, E] = x.float() @ router_weight.float().T; at decode sizes in one Triton launch."""
+    """float32 [T, E] = x.float() @ router_weight.float().T: at decode sizes in one Triton launch,
+    above them as three bf16 tensor-core products where the rows are bf16, else by cuBLAS."""
     t, h = x.shape
     e = router_weight.shape[0]
     if t > LOGITS_MAX_TOKENS or x.stride(1) != 1 or router_weight.stride(1) != 1:
+        if router_logits_mode() == "auto" and three_bf16_fits(x, router_weight):
+            return logits_three_bf16(x, router_weight)
         return F.linear(x.float(), router_weight.float())
     bt, be, bh = logits_tiles(t)
     out = torch.empty(t, e, dtype=torch.float32, device=x.device)

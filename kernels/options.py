@@ -28,6 +28,7 @@ environment, so a launcher sets the variables before it starts them.
 | moe_down         | MINIMAX_MOE_DOWN         | auto    | auto, triton                     | the FP8 down GEMM: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py wherever the gate/up runs over 192-row blocks, else Triton; triton = the Triton kernel always |
 | moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~40 torch kernels instead of one Triton program (the default up to 4096 token-expert pairs) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
+| moe_router_logits | MINIMAX_MOE_ROUTER_LOGITS | auto  | auto, cublas                     | the router's float32 logits above decode sizes: auto = three bf16 tensor-core products of bf16 rows (the weight split exactly into bf16 parts), cublas = cuBLAS on the rows cast to float32 |
 | moe_shared       | MINIMAX_MOE_SHARED       | merged  | merged, separate                 | separate: the shared expert in its own launches instead of inside the routed ones |
 | gemm_rs_fused    | MINIMAX_GEMM_RS_FUSED    | 1       | 1, 0                             | 0: every GEMM + reduce-scatter as matmul + NCCL, never the overlapped kernel |
 | gemm_rs_schedule | MINIMAX_GEMM_RS_SCHEDULE | auto    | auto, epilogue, sum_after        | how the own rows are reduced (auto: by GEMM size, choose_schedule) |
@@ -77,6 +78,11 @@ docs/kernel-notes.md). Who runs them:
   faster than it at 8192 tokens and even at 16384, the layer back to back 1-2% faster
   (docs/kernel-notes.md#the-down-gemm-over-the-same-blocks); triton keeps the Triton kernel,
   tools/tune_moe.py --moe-down and bench_e2e's minimax-moe-triton-down compare the two;
+* moe_router_logits: auto (the default since 2026-12-04, sixteenth session) computes the
+  logits of bf16 rows above LOGITS_MAX_TOKENS as three bf16 products of the exactly split
+  float32 weight (kernels/moe_route_triton.py); cublas is the cast + float32 GEMM it replaced.
+  The interpreter and GPU tests of tests/test_moe_triton.py compare both with a float64
+  product, tools/bench_router.py times them;
 * allreduce_norm=symm_mem: the fused kernel's math runs in the CPU interpreter
   tests (tests/test_allreduce_norm_kernel.py); the symmetric-memory part needs
   several GPUs and has not run yet, so it is not the default.
@@ -148,6 +154,10 @@ class KernelOptions:
     moe_route: str = _switch(
         "MINIMAX_MOE_ROUTE", "triton", "torch: the router's selection op for op instead of one Triton kernel",
         choices=("triton", "torch"))
+    moe_router_logits: str = _switch(
+        "MINIMAX_MOE_ROUTER_LOGITS", "auto", "the router's float32 logits above decode sizes: auto = three bf16 "
+        "tensor-core products of bf16 rows (the weight split exactly into bf16 parts), cublas = cuBLAS on the rows "
+        "cast to float32", choices=("auto", "cublas"))
     moe_shared: str = _switch(
         "MINIMAX_MOE_SHARED", "merged", "separate: the shared expert in its own launches instead of inside the "
         "routed ones", choices=("merged", "separate"))

@@ -731,11 +731,15 @@ def test_triton_route_equals_the_torch_route(interp):
 
 @pytest.mark.parametrize("tokens, experts, hidden, dtype", [(1, 128, 1000, torch.bfloat16), (13, 200, 300, torch.float32),
                                                        (16, 8, 70, torch.bfloat16), (64, 8, 64, torch.bfloat16),
-                                                       (129, 8, 64, torch.float32)])
-def test_router_logits_match_a_float64_product(interp, tokens, experts, hidden, dtype):
-    """The decode-size logits kernel (and cuBLAS past LOGITS_MAX_TOKENS rows): float32 sums of the
-    products, within 1e-6 of the sum of |products| (float32 rounding over ~1000 terms is ~1e-7;
-    a wrong row, column or K step is off by O(1))."""
+                                                       (129, 8, 64, torch.float32), (17, 128, 1000, torch.bfloat16),
+                                                       (131, 200, 300, torch.bfloat16),
+                                                       (1030, 8, 200, torch.bfloat16)])  # the wide tiles
+@pytest.mark.parametrize("mode", ["auto", "cublas"])
+def test_router_logits_match_a_float64_product(interp, tokens, experts, hidden, dtype, mode):
+    """The decode-size logits kernel, past LOGITS_MAX_TOKENS rows the three-bf16 kernel (bf16 rows,
+    mode auto) or cuBLAS: float32 sums of the products, within 1e-6 of the sum of |products|
+    (float32 rounding over ~1000 terms is ~1e-7; a wrong row, column or K step is off by O(1), a
+    dropped bf16 part of the weight by ~2e-3 or ~8e-6)."""
     from minimax_backend.kernels.moe_route_triton import router_logits
 
     g = torch.Generator().manual_seed(tokens)
@@ -743,9 +747,84 @@ def test_router_logits_match_a_float64_product(interp, tokens, experts, hidden, 
     w = torch.randn(experts, hidden, generator=g) * 0.05
     want = x.double() @ w.double().T
     scale = x.double().abs() @ w.double().abs().T
-    got = router_logits(x, w)
+    with override_kernel_options(moe_router_logits=mode):
+        got = router_logits(x, w)
     assert got.dtype == torch.float32 and got.shape == (tokens, experts)
     assert ((got.double() - want).abs() / scale).max() <= 1e-6
+
+
+def test_three_bf16_logits_carry_every_bit_of_the_float32_weight(interp):
+    """Rows with one nonzero value (a power of two) pick single weights: each logit is then one
+    exact product, so it must equal the float32 weight times that value bit for bit. Full 24-bit
+    significands over a wide exponent range: a lost low part, a part rounded twice or a wrong
+    column shows. Odd sizes: 37 rows (a partial row block), 200 experts (two column blocks),
+    hidden 300 (a partial K step)."""
+    from minimax_backend.kernels.moe_route_triton import logits_three_bf16
+
+    g = torch.Generator().manual_seed(3)
+    tokens, experts, hidden = 37, 200, 300
+    w = (torch.rand(experts, hidden, generator=g) + 0.5) * torch.exp2(torch.randint(-20, 4, (experts, hidden),
+                                                                                      generator=g).float())
+    w = torch.where(torch.rand(experts, hidden, generator=g) < 0.5, -w, w)
+    assert (w.view(torch.int32) & 0xFF).count_nonzero() > w.numel() // 2  # most values need the third part
+    col = torch.randint(0, hidden, (tokens,), generator=g)
+    power = torch.exp2(torch.randint(-3, 4, (tokens,), generator=g).float())
+    x = torch.zeros(tokens, hidden)
+    x[torch.arange(tokens), col] = power
+    for splits in (1, 3):  # K in one share, and in shares of 2, 2 and 1 K steps
+        got = logits_three_bf16(x.to(torch.bfloat16), w, splits=splits)
+        assert torch.equal(got, w[:, col].T * power[:, None]), splits
+    # bf16 weights are their own first part
+    wb = w.to(torch.bfloat16)
+    assert torch.equal(logits_three_bf16(x.to(torch.bfloat16), wb), wb.float()[:, col].T * power[:, None])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, experts, hidden", [(17, 128, 6144), (1000, 128, 6144), (8191, 128, 6144),
+                                                     (131, 200, 300)])
+def test_gpu_router_logits_match_a_float64_product(tokens, experts, hidden):
+    """The GPU's three-bf16 logits (wgmma products, float32 accumulation) at M3's router size and an
+    odd one, within 1e-6 of the sum of |products| of the float64 product, as the float32 path is
+    (cuBLAS, checked alongside)."""
+    from minimax_backend.kernels.moe_route_triton import router_logits
+
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    w = torch.randn(experts, hidden, generator=g) * hidden ** -0.5
+    want = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    for mode in ("auto", "cublas"):
+        with override_kernel_options(moe_router_logits=mode):
+            got = router_logits(x.cuda(), w.cuda()).cpu()
+        assert ((got.double() - want).abs() / scale).max() <= 1e-6, mode
+
+
+@pytest.mark.gpu
+def test_gpu_three_bf16_logits_carry_every_bit_of_the_float32_weight():
+    """test_three_bf16_logits_carry_every_bit_of_the_float32_weight on the GPU (cvt.rn splits)."""
+    from minimax_backend.kernels.moe_route_triton import logits_three_bf16
+
+    g = torch.Generator().manual_seed(3)
+    tokens, experts, hidden = 300, 128, 6144
+    w = (torch.rand(experts, hidden, generator=g) + 0.5) * torch.exp2(torch.randint(-20, 4, (experts, hidden),
+                                                                                      generator=g).float())
+    col = torch.randint(0, hidden, (tokens,), generator=g)
+    power = torch.exp2(torch.randint(-3, 4, (tokens,), generator=g).float())
+    x = torch.zeros(tokens, hidden)
+    x[torch.arange(tokens), col] = power
+    for splits in (None, 1, 5):
+        got = logits_three_bf16(x.to(torch.bfloat16).cuda(), w.cuda(), splits=splits).cpu()
+        assert torch.equal(got, w[:, col].T * power[:, None]), splits
+
+
+def test_three_bf16_logits_refuse_rows_they_cannot_split(interp):
+    from minimax_backend.kernels.moe_route_triton import logits_three_bf16, router_logits
+
+    x, w = torch.randn(20, 64), torch.randn(8, 64)
+    with pytest.raises(ValueError, match="needs bf16 rows"):
+        logits_three_bf16(x, w)
+    # router_logits takes float32 rows past the decode sizes to cuBLAS instead
+    torch.testing.assert_close(router_logits(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
 def test_triton_route_breaks_ties_towards_the_lower_id_and_orders_slots(interp):

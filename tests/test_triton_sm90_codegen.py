@@ -349,6 +349,17 @@ def test_moe_route_and_alignment_kernels_compile(moe):
     compile_sm90(rt._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "T": "i32", "E": "i32",
                                      "H": "i32", "stride_x": "i32", "stride_w": "i32", "stride_o": "i32"},
                  dict(BT=16, BE=1, BH=512), ["x_ptr", "w_ptr", "out_ptr"], num_warps=4)
+    # the prefill logits: three bf16 wgmma products per K step, the weight split in registers
+    for bm, bn, bk, warps, stages in (rt.THREE_BF16_TILES, rt.THREE_BF16_NARROW_TILES):
+        ptx, shared = compile_sm90(rt._logits_three_bf16_kernel,
+                                   {"x_ptr": "*bf16", "p_ptr": "*bf16", "out_ptr": "*fp32", "T": "i32", "E": "i32",
+                                    "H": "i32", "stride_x": "i32", "stride_o": "i32", "steps_per_split": "i32"},
+                                   dict(BM=bm, BN=bn, BK=bk, UPCAST=False),
+                                   ["x_ptr", "p_ptr", "out_ptr", "H", "stride_x", "stride_o"],
+                                   num_warps=warps, num_stages=stages)
+        assert "wgmma.mma_async.sync.aligned" in ptx and ".bf16.bf16" in ptx and shared <= H200_SHARED_BYTES
+    compile_sm90(rt._split_bf16_kernel, {"w_ptr": "*fp32", "parts_ptr": "*bf16", "N": "i32"},
+                 dict(BLOCK=rt.SPLIT_BLOCK), ["w_ptr", "parts_ptr", "N"], num_warps=4)
     compile_sm90(al._align_kernel, {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32",
                                     "pair_row_ptr": "*i32", "expert_offset": "i32", "shared_id": "i32"},
                  dict(PAIRS=320, P2=512, N_LOCAL=129, ROUTED=128, NB=256, BM=16, MAX_ROWS=2256, MAX_BLOCKS=141,
