@@ -317,7 +317,9 @@ def hardware() -> dict[str, Any]:
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str = "") -> str:
     """A plain fixed-width table; returns it as text too (for the docs)."""
     def fmt(v):
-        return f"{v:.3f}" if isinstance(v, float) else str(v)
+        if isinstance(v, float):  # small nonzero values (errors) in scientific notation, not as 0.000
+            return f"{v:.2e}" if 0 < abs(v) < 1e-3 else f"{v:.3f}"
+        return str(v)
 
     widths = [max([len(c), *(len(fmt(r.get(c, ""))) for r in rows)]) for c in columns]
     lines = [title] if title else []

@@ -27,6 +27,8 @@ values: the attention cost does not depend on them). Variants:
   minimax-moe-gluon192  ours with kernel option moe_gemm=gluon192 (its 192-row form)
   minimax-moe-triton-down  ours with kernel option moe_down=triton (the Triton down GEMM
                    after the 192-row gate/up instead of the Gluon one over the same blocks)
+  minimax-router-cublas  ours with kernel option moe_router_logits=cublas (the router's
+                   float32 logits by cuBLAS on the rows cast to float32, not three bf16 products)
   eager            the plain model as written (the numerics reference)
   inductor         torch.compile(plain model); reduce-overhead: with CUDA graphs.
                    Under tracing the plain model's MoE runs every local expert on
@@ -86,6 +88,7 @@ KERNEL_VARIANTS = {
     "minimax-moe-gluon": {"moe_gemm": "gluon"},
     "minimax-moe-gluon192": {"moe_gemm": "gluon192"},
     "minimax-moe-triton-down": {"moe_down": "triton"},
+    "minimax-router-cublas": {"moe_router_logits": "cublas"},
 }
 VARIANTS = ("eager", "torch-grouped", "inductor", "reduce-overhead", "minimax", *ABLATIONS, *KERNEL_VARIANTS)
 DEFAULT_VARIANTS = ("eager", "torch-grouped", "minimax", *ABLATIONS)
