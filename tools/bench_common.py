@@ -295,6 +295,18 @@ def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t.float() / scale.unsqueeze(-1)).clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
 
+def require_device(dry_run: bool) -> None:
+    """A GPU benchmark's start: --dry-run needs the Triton interpreter (its kernels then run on the
+    CPU), a real run a CUDA GPU; a SystemExit that says which otherwise."""
+    if dry_run:
+        from minimax_backend.kernels.interpreter import triton_interpreting
+
+        if not triton_interpreting():
+            raise SystemExit("--dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
+    elif not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU (--dry-run checks the script on the CPU)")
+
+
 def hardware() -> dict[str, Any]:
     info = {
         "date": datetime.date.today().isoformat(),

@@ -77,14 +77,11 @@ def main(argv=None) -> None:
     p.add_argument("--dry-run", action="store_true", help="check the script on the CPU (see above)")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    if args.dry_run:
-        from minimax_backend.kernels.interpreter import triton_interpreting
+    from minimax_backend.tools.bench_common import require_device
 
-        if not triton_interpreting():
-            raise SystemExit("--dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
+    require_device(args.dry_run)
+    if args.dry_run:
         args.rows = [r for r in args.rows if r <= 16][:2]
-    elif not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU (--dry-run checks the script on the CPU)")
     import minimax_backend.kernels  # noqa: F401  (registers the ops)
     from minimax_backend.kernels.fp8_gemm_cuda import fp8_block_gemm_scaled_mm
     from minimax_backend.kernels.fp8_small_m_triton import (SmallMConfig, fp8_small_m_gemm, small_m_config,

@@ -356,14 +356,13 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     from minimax_backend.tools.launch import run_on_ranks
 
+    from minimax_backend.tools.bench_common import require_device
+
+    require_device(args.dry_run)
     if args.dry_run:
-        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            raise SystemExit("--dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
         args.m, args.gemm_m, args.ag_m, args.warmup, args.repeats = [3], [5], [6], 1, 2
         run_on_ranks(job, 2 if "allgather" in args.parts else 1, "cpu", args)
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent boxes
     world = args.gpus or (2 if torch.cuda.device_count() >= 2 and "allgather" in args.parts else 1)
     run_on_ranks(job, world, "cuda", args)

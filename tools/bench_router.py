@@ -63,14 +63,11 @@ def main(argv=None) -> None:
     p.add_argument("--dry-run", action="store_true", help="check the script on the CPU (see above)")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    if args.dry_run:
-        from minimax_backend.kernels.interpreter import triton_interpreting
+    from minimax_backend.tools.bench_common import require_device
 
-        if not triton_interpreting():
-            raise SystemExit("--dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
+    require_device(args.dry_run)
+    if args.dry_run:
         args.tokens, args.hidden, args.experts = [t for t in args.tokens if t <= 64][:2] or [17], 256, 16
-    elif not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU (--dry-run checks the script on the CPU)")
     from minimax_backend.kernels.moe_route_triton import _sm_count, k_splits, logits_three_bf16, three_bf16_tiles
     from minimax_backend.tools.bench_common import copy_bandwidth_gbs, print_table, write_json
 
