@@ -185,10 +185,11 @@ THREE_BF16_NARROW_TILES = (64, 128, 64, 4, 3)
 THREE_BF16_WIDE_FROM = 1024
 
 
+SPLIT_BLOCK = 1024  # weight values per program of _split_bf16_kernel
+
+
 def three_bf16_tiles(tokens: int) -> tuple[int, int, int, int, int]:
     return THREE_BF16_TILES if tokens >= THREE_BF16_WIDE_FROM else THREE_BF16_NARROW_TILES
-
-SPLIT_BLOCK = 1024
 
 
 def router_logits_mode() -> str:
