@@ -54,6 +54,15 @@ def align_fits(pairs: int) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
+    def _local_expert(ids_ptr, pair, ok, expert_offset, shared_id, N_LOCAL: tl.constexpr, ROUTED: tl.constexpr):
+        """Each pair's local expert: its id - expert_offset for this rank's routed experts, ROUTED
+        for the shared expert's slot, N_LOCAL ("not ours") for the rest."""
+        raw = tl.load(ids_ptr + pair, mask=ok, other=-1).to(tl.int64)
+        e = raw - expert_offset
+        e = tl.where((e >= 0) & (e < ROUTED), e, N_LOCAL)
+        return tl.where(raw == shared_id, ROUTED, e).to(tl.int32)
+
+    @triton.jit
     def _align_kernel(
         ids_ptr, sorted_pair_ptr, block_expert_ptr, pair_row_ptr, expert_offset, shared_id,
         PAIRS: tl.constexpr, P2: tl.constexpr, N_LOCAL: tl.constexpr, ROUTED: tl.constexpr, NB: tl.constexpr,
@@ -64,10 +73,7 @@ if HAVE_TRITON:
         blocks; no loop over chunks."""
         lane = tl.arange(0, P2)
         ok = lane < PAIRS
-        raw = tl.load(ids_ptr + lane, mask=ok, other=-1).to(tl.int64)
-        e = raw - expert_offset
-        e = tl.where((e >= 0) & (e < ROUTED), e, N_LOCAL)
-        e = tl.where(raw == shared_id, ROUTED, e).to(tl.int32)
+        e = _local_expert(ids_ptr, lane, ok, expert_offset, shared_id, N_LOCAL, ROUTED)
         # fill: every row starts as padding
         for r0 in range(0, MAX_ROWS, FILL):
             rows = r0 + tl.arange(0, FILL)
@@ -121,4 +127,97 @@ def align_by_expert_triton(ids: torch.Tensor, expert_offset: int, n_local: int, 
         MAX_ROWS=max_rows, MAX_BLOCKS=max_blocks, B2=triton.next_power_of_2(max_blocks), FILL=1024,
         num_warps=4 if p2 <= 256 else 8 if p2 <= 1024 else 16,
     )
+    return sorted_pair, block_expert, pair_row
+
+
+# ---- past one program's pairs: chunks of CHUNK pairs, two launches ----
+CHUNK = 2048  # pairs per program of the chunked alignment (one sort of this many keys)
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _chunk_counts_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, expert_offset, shared_id, share,
+                             PAIRS: tl.constexpr, N_LOCAL: tl.constexpr, ROUTED: tl.constexpr, NB: tl.constexpr,
+                             C: tl.constexpr, MAX_ROWS: tl.constexpr, FILL: tl.constexpr):
+        """Chunk c's pairs per local expert (counts[c]), and its share of the rows filled with -1
+        (padding) before the second launch places the pairs."""
+        c = tl.program_id(0)
+        pair = c * C + tl.arange(0, C)
+        ok = pair < PAIRS
+        e = _local_expert(ids_ptr, pair, ok, expert_offset, shared_id, N_LOCAL, ROUTED)
+        tl.store(counts_ptr + c * NB + tl.arange(0, NB), tl.histogram(e, NB, mask=ok))
+        end = tl.minimum((c + 1) * share, MAX_ROWS)
+        for r0 in range(c * share, end, FILL):
+            rows = r0 + tl.arange(0, FILL)
+            tl.store(sorted_pair_ptr + rows, tl.full((FILL,), -1, tl.int32), mask=rows < end)
+
+    @triton.jit
+    def _chunk_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, block_expert_ptr, pair_row_ptr, expert_offset,
+                            shared_id, PAIRS: tl.constexpr, N_LOCAL: tl.constexpr, ROUTED: tl.constexpr,
+                            NB: tl.constexpr, BM: tl.constexpr, MAX_BLOCKS: tl.constexpr, B2: tl.constexpr,
+                            C: tl.constexpr, CHUNKS: tl.constexpr, RB: tl.constexpr):
+        """Chunk c's pairs into their rows: an expert's run starts where the padded runs before it
+        end, then come its pairs of the earlier chunks, then this chunk's in pair order (the torch
+        path's stable sort). Program 0 also writes the expert of every block."""
+        c = tl.program_id(0)
+        bins = tl.arange(0, NB)
+        counts = tl.zeros((NB,), tl.int32)
+        before = tl.zeros((NB,), tl.int32)
+        own = tl.zeros((NB,), tl.int32)
+        for c0 in range(0, CHUNKS, RB):
+            ch = c0 + tl.arange(0, RB)
+            table = tl.load(counts_ptr + ch[:, None] * NB + bins[None, :], mask=(ch < CHUNKS)[:, None], other=0)
+            counts += tl.sum(table, axis=0)
+            before += tl.sum(tl.where((ch < c)[:, None], table, 0), axis=0)
+            own += tl.sum(tl.where((ch == c)[:, None], table, 0), axis=0)
+        mine = bins < N_LOCAL
+        padded = tl.where(mine, (counts + BM - 1) // BM * BM, 0)
+        start = tl.cumsum(padded, axis=0) - padded + before  # this chunk's first row of each expert
+        first = tl.cumsum(own, axis=0) - own  # each expert's first place among the chunk's sorted pairs
+        lane = tl.arange(0, C)
+        ok = c * C + lane < PAIRS
+        e = _local_expert(ids_ptr, c * C + lane, ok, expert_offset, shared_id, N_LOCAL, ROUTED)
+        key = tl.sort(tl.where(ok, e, NB) * C + lane)
+        se = key // C
+        pair = c * C + key % C
+        sc = tl.minimum(se, NB - 1)
+        row = tl.gather(start, sc, 0) + lane - tl.gather(first, sc, 0)
+        local = se < N_LOCAL
+        tl.store(sorted_pair_ptr + row, pair, mask=local)
+        tl.store(pair_row_ptr + pair, tl.where(local, row, -1), mask=se < NB)
+        if c == 0:  # blocks: the expert of block b = how many local experts end at or before it
+            ends = tl.cumsum(padded // BM, axis=0)
+            hist = tl.histogram(ends, B2, mask=mine & (ends < B2))
+            b = tl.arange(0, B2)
+            tl.store(block_expert_ptr + b, tl.cumsum(hist, axis=0), mask=b < MAX_BLOCKS)
+
+
+def align_by_expert_chunked(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int,
+                            shared_id: int = -2, chunk: int = CHUNK):
+    """align_by_expert_triton for any pair count: chunks of `chunk` pairs (a power of two), one
+    program each, in two launches (the counts, then the places); equal output."""
+    pairs = ids.numel()
+    if pairs == 0 or chunk & (chunk - 1):
+        raise ValueError(f"align_by_expert_chunked: {pairs} pairs, chunk {chunk} (needs pairs and a power-of-two chunk)")
+    routed = n_local
+    if shared_id >= 0:
+        n_local += 1
+    max_rows = -(-(pairs + n_local * (block_m - 1)) // block_m) * block_m
+    max_blocks = max_rows // block_m
+    chunks = -(-pairs // chunk)
+    nb = triton.next_power_of_2(n_local + 1)
+    dev = ids.device
+    ids = ids.reshape(-1).contiguous()
+    counts = torch.empty(chunks, nb, dtype=torch.int32, device=dev)
+    sorted_pair = torch.empty(max_rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    pair_row = torch.empty(pairs, dtype=torch.int32, device=dev)
+    warps = 4 if chunk <= 256 else 8 if chunk <= 1024 else 16
+    _chunk_counts_kernel[(chunks,)](
+        ids, counts, sorted_pair, int(expert_offset), int(shared_id), -(-max_rows // chunks),
+        PAIRS=pairs, N_LOCAL=n_local, ROUTED=routed, NB=nb, C=chunk, MAX_ROWS=max_rows, FILL=1024, num_warps=warps)
+    _chunk_place_kernel[(chunks,)](
+        ids, counts, sorted_pair, block_expert, pair_row, int(expert_offset), int(shared_id),
+        PAIRS=pairs, N_LOCAL=n_local, ROUTED=routed, NB=nb, BM=block_m, MAX_BLOCKS=max_blocks,
+        B2=triton.next_power_of_2(max_blocks), C=chunk, CHUNKS=chunks, RB=16, num_warps=warps)
     return sorted_pair, block_expert, pair_row

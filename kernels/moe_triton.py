@@ -72,7 +72,7 @@ from . import moe_gluon
 from .fp8 import FP8_DTYPE, quantize_fp8_reference
 from .interpreter import triton_interpreting as _interpreting
 from .moe import mega_moe, moe
-from .moe_align_triton import align_by_expert_triton, align_fits
+from .moe_align_triton import align_by_expert_chunked, align_by_expert_triton, align_fits
 from .moe_expert_groups import expert_group_table
 from .moe_parallel import mega_moe_reference
 from .moe_quant_scatter import quantize_scatter_fp8
@@ -187,10 +187,14 @@ def _align(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int, sh
 
     The default, triton, takes kernels/moe_align_triton.py up to its pair limit
     (equal output, one launch instead of ~40; measured: docs/kernel-notes.md#moe-alignment);
-    the kernel option moe_align=torch keeps the torch sort everywhere (to compare)."""
-    if kernel_options().moe_align == "triton" and (ids.is_cuda or _interpreting()):
+    triton_chunked also takes its chunked form (two launches) past that limit (not yet timed on
+    a GPU); the kernel option moe_align=torch keeps the torch sort everywhere (to compare)."""
+    mode = kernel_options().moe_align
+    if mode != "torch" and (ids.is_cuda or _interpreting()):
         if align_fits(ids.numel()):
             return Alignment(*align_by_expert_triton(ids, expert_offset, n_local, block_m, shared_id), block_m)
+        if mode == "triton_chunked":
+            return Alignment(*align_by_expert_chunked(ids, expert_offset, n_local, block_m, shared_id), block_m)
     return align_by_expert(ids, expert_offset, n_local, block_m, shared_id)
 
 

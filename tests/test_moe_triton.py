@@ -684,6 +684,49 @@ def test_alignment_puts_the_shared_expert_last_and_keeps_other_ranks_out():
     assert experts_of == {0: 0, 4: 1, 6: 3, 7: 2, 2: 4, 5: 4, 8: 4}
 
 
+@pytest.mark.parametrize("tokens, k, experts, offset, n_local, bm, chunk", [
+    (1, 4, 8, 0, 8, 16, 64),  # one chunk, mostly empty
+    (37, 4, 128, 0, 128, 64, 64),  # 148 pairs in 3 chunks, the last one partial; a crowded expert
+    (1100, 4, 128, 0, 128, 192, 2048),  # 4400 pairs, past the one-program limit; 192-row blocks
+    (777, 4, 128, 64, 64, 16, 256),  # EP: half the experts another rank's; 13 chunks
+])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_chunked_alignment_equals_the_sort(interp, tokens, k, experts, offset, n_local, bm, chunk, with_shared):
+    """The alignment in chunks of pairs (two launches, any pair count): the torch path's three
+    tensors element for element, with a padding row, a crowded expert and the shared expert."""
+    from minimax_backend.kernels.moe_align_triton import align_by_expert_chunked
+
+    ids = _align_ids(tokens, k, experts, seed=tokens)
+    shared_id = -2
+    if with_shared:
+        shared_id = experts
+        ids = torch.cat([ids, torch.full((tokens, 1), experts)], 1)
+    want = interp.align_by_expert(ids, offset, n_local, bm, shared_id)
+    got = align_by_expert_chunked(ids, offset, n_local, bm, shared_id, chunk=chunk)
+    for a, b in zip(got, (want.sorted_pair, want.block_expert, want.pair_row)):
+        assert torch.equal(a, b)
+
+
+def test_chunked_alignment_is_taken_past_one_program_only_when_asked(interp, monkeypatch):
+    """moe_align=triton_chunked: the one-program kernel up to MAX_PAIRS, the chunks past it;
+    the default keeps the torch sort past it."""
+    from minimax_backend.kernels import moe_align_triton as al
+
+    calls = []
+    monkeypatch.setattr(interp, "align_by_expert_chunked",
+                        lambda *a, **kw: calls.append(a[0].numel()) or al.align_by_expert_chunked(*a, **kw))
+    big = _align_ids(al.MAX_PAIRS // 4 + 1, 4, 128, seed=1)
+    small = _align_ids(9, 4, 128, seed=2)
+    with override_kernel_options(moe_align="triton_chunked"):
+        got = interp._align(big, 0, 128, 64)
+        interp._align(small, 0, 128, 64)
+    assert calls == [big.numel()]
+    want = interp.align_by_expert(big, 0, 128, 64)
+    assert torch.equal(got.sorted_pair, want.sorted_pair) and torch.equal(got.pair_row, want.pair_row)
+    interp._align(big, 0, 128, 64)  # the default: the torch sort
+    assert calls == [big.numel()]
+
+
 def test_triton_alignment_refuses_too_many_pairs(interp):
     from minimax_backend.kernels.moe_align_triton import MAX_PAIRS, align_by_expert_triton
 
@@ -905,6 +948,24 @@ def test_triton_alignment_on_gpu_equals_the_sort(case):
     ids = _align_ids(tokens, k, experts, seed=tokens).cuda()
     want = align_by_expert(ids, offset, n_local, bm)
     got = align_by_expert_triton(ids, offset, n_local, bm)
+    for a, b in zip(got, (want.sorted_pair, want.block_expert, want.pair_row)):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, bm", [(1100, 192), (8192, 192), (16384, 64), (3001, 16)])
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_chunked_alignment_on_gpu_equals_the_sort(tokens, bm, with_shared):
+    from minimax_backend.kernels.moe_align_triton import align_by_expert_chunked
+    from minimax_backend.kernels.moe_triton import align_by_expert
+
+    ids = _align_ids(tokens, 4, 128, seed=tokens)
+    shared_id = 128 if with_shared else -2
+    if with_shared:
+        ids = torch.cat([ids, torch.full((tokens, 1), 128)], 1)
+    ids = ids.cuda()
+    want = align_by_expert(ids, 0, 128, bm, shared_id)
+    got = align_by_expert_chunked(ids, 0, 128, bm, shared_id)
     for a, b in zip(got, (want.sorted_pair, want.block_expert, want.pair_row)):
         assert torch.equal(a.cpu(), b.cpu())
 

@@ -360,6 +360,17 @@ def test_moe_route_and_alignment_kernels_compile(moe):
         assert "wgmma.mma_async.sync.aligned" in ptx and ".bf16.bf16" in ptx and shared <= H200_SHARED_BYTES
     compile_sm90(rt._split_bf16_kernel, {"w_ptr": "*fp32", "parts_ptr": "*bf16", "N": "i32"},
                  dict(BLOCK=rt.SPLIT_BLOCK), ["w_ptr", "parts_ptr", "N"], num_warps=4)
+    # the chunked alignment (prefill): 2048 pairs per program, M3's 128 experts + the shared one
+    compile_sm90(al._chunk_counts_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_pair_ptr": "*i32",
+                                           "expert_offset": "i32", "shared_id": "i32", "share": "i32"},
+                 dict(PAIRS=40960, N_LOCAL=129, ROUTED=128, NB=256, C=al.CHUNK, MAX_ROWS=65664, FILL=1024),
+                 ["ids_ptr", "counts_ptr", "sorted_pair_ptr"], num_warps=16)
+    compile_sm90(al._chunk_place_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_pair_ptr": "*i32",
+                                          "block_expert_ptr": "*i32", "pair_row_ptr": "*i32", "expert_offset": "i32",
+                                          "shared_id": "i32"},
+                 dict(PAIRS=40960, N_LOCAL=129, ROUTED=128, NB=256, BM=192, MAX_BLOCKS=342, B2=512, C=al.CHUNK,
+                      CHUNKS=20, RB=16), ["ids_ptr", "counts_ptr", "sorted_pair_ptr", "block_expert_ptr",
+                                          "pair_row_ptr"], num_warps=16)
     compile_sm90(al._align_kernel, {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32",
                                     "pair_row_ptr": "*i32", "expert_offset": "i32", "shared_id": "i32"},
                  dict(PAIRS=320, P2=512, N_LOCAL=129, ROUTED=128, NB=256, BM=16, MAX_ROWS=2256, MAX_BLOCKS=141,
