@@ -684,13 +684,15 @@ def test_alignment_puts_the_shared_expert_last_and_keeps_other_ranks_out():
     assert experts_of == {0: 0, 4: 1, 6: 3, 7: 2, 2: 4, 5: 4, 8: 4}
 
 
-@pytest.mark.parametrize("tokens, k, experts, offset, n_local, bm, chunk", [
-    (1, 4, 8, 0, 8, 16, 64),  # one chunk, mostly empty
-    (37, 4, 128, 0, 128, 64, 64),  # 148 pairs in 3 chunks, the last one partial; a crowded expert
-    (1100, 4, 128, 0, 128, 192, 2048),  # 4400 pairs, past the one-program limit; 192-row blocks
-    (777, 4, 128, 64, 64, 16, 256),  # EP: half the experts another rank's; 13 chunks
+@pytest.mark.parametrize("tokens, k, experts, offset, n_local, bm, chunk, with_shared", [
+    (1, 4, 8, 0, 8, 16, 64, False),  # one chunk, mostly empty
+    (1, 4, 8, 0, 8, 16, 64, True),
+    (37, 4, 128, 0, 128, 64, 64, False),  # 148 pairs in 3 chunks, the last one partial; a crowded expert
+    (37, 4, 128, 0, 128, 64, 64, True),
+    (1100, 4, 128, 0, 128, 192, 2048, True),  # 5500 pairs, past the one-program limit; 192-row blocks
+    (777, 4, 128, 64, 64, 16, 256, False),  # EP: half the experts another rank's; 13 chunks
+    (777, 4, 128, 64, 64, 16, 256, True),
 ])
-@pytest.mark.parametrize("with_shared", [False, True])
 def test_chunked_alignment_equals_the_sort(interp, tokens, k, experts, offset, n_local, bm, chunk, with_shared):
     """The alignment in chunks of pairs (two launches, any pair count): the torch path's three
     tensors element for element, with a padding row, a crowded expert and the shared expert."""
