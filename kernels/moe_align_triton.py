@@ -1,4 +1,4 @@
-"""Expert alignment of the MoE's (token, slot) pairs in one Triton program, for decode sizes.
+"""Expert alignment of the MoE's (token, slot) pairs in Triton: one program at decode sizes, chunks past them.
 
 kernels/moe_triton.py:align_by_expert builds the sorted layout the grouped
 GEMMs read (pairs sorted by local expert, each expert's run padded to a
@@ -22,7 +22,11 @@ With a shared expert run in the same launches, its id (shared_id, past every
 routed id) is one more local expert after the routed ones.
 
 One program holds every pair, so it is for small pair counts only:
-`align_fits(pairs)`; larger counts use the torch path. The sort replaced a
+`align_fits(pairs)`; larger counts use the torch path, or (kernel option
+moe_align=triton_chunked, not yet the default) `align_by_expert_chunked`: the
+same steps over chunks of CHUNK pairs in two launches, the counts of every
+chunk first, then each chunk's places after the runs and the earlier chunks'
+pairs. The sort replaced a
 counting loop over chunks of 64 pairs with one-hot sums, 2-13x faster at
 5-1000 pairs (docs/kernel-notes.md#moe-alignment). The pair count and the
 expert count are compile-time constants (one compile per token-count bucket).
