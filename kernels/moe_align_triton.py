@@ -67,6 +67,32 @@ if HAVE_TRITON:
         return tl.where(raw == shared_id, ROUTED, e).to(tl.int32)
 
     @triton.jit
+    def _place_pairs(e, ok, lane, pair0, start, first, sorted_pair_ptr, pair_row_ptr, N_LOCAL: tl.constexpr,
+                     NB: tl.constexpr, P2: tl.constexpr, AFTER_OWN_FILL: tl.constexpr):
+        """Pairs pair0 + lane (experts e) into their rows: sorted by (expert, pair), a pair's place
+        among its expert's is its rank minus the expert's first place (first), after the expert's
+        first row (start); lanes not ok sort after every pair and store nothing. AFTER_OWN_FILL:
+        this program filled the rows with -1, so its threads wait for each other's fill first."""
+        key = tl.sort(tl.where(ok, e, NB) * P2 + lane)
+        se = key // P2
+        pair = pair0 + key % P2
+        sc = tl.minimum(se, NB - 1)
+        row = tl.gather(start, sc, 0) + lane - tl.gather(first, sc, 0)
+        local = se < N_LOCAL
+        if AFTER_OWN_FILL:
+            tl.debug_barrier()
+        tl.store(sorted_pair_ptr + row, pair, mask=local)
+        tl.store(pair_row_ptr + pair, tl.where(local, row, -1), mask=se < NB)
+
+    @triton.jit
+    def _block_table(padded, mine, block_expert_ptr, BM: tl.constexpr, MAX_BLOCKS: tl.constexpr, B2: tl.constexpr):
+        """The expert of block b = how many local experts' padded runs end at or before it."""
+        ends = tl.cumsum(padded // BM, axis=0)
+        hist = tl.histogram(ends, B2, mask=mine & (ends < B2))
+        b = tl.arange(0, B2)
+        tl.store(block_expert_ptr + b, tl.cumsum(hist, axis=0), mask=b < MAX_BLOCKS)
+
+    @triton.jit
     def _align_kernel(
         ids_ptr, sorted_pair_ptr, block_expert_ptr, pair_row_ptr, expert_offset, shared_id,
         PAIRS: tl.constexpr, P2: tl.constexpr, N_LOCAL: tl.constexpr, ROUTED: tl.constexpr, NB: tl.constexpr,
@@ -89,23 +115,8 @@ if HAVE_TRITON:
         padded = tl.where(mine, (counts + BM - 1) // BM * BM, 0)
         start = tl.cumsum(padded, axis=0) - padded  # each expert's first row
         first = tl.cumsum(counts, axis=0) - counts  # its first place in the sorted pairs
-        # place: sorted by (expert, pair), so a pair's place among its expert's is its rank
-        # minus the expert's first; lanes past PAIRS sort after every pair
-        key = tl.where(ok, e, NB) * P2 + lane
-        key = tl.sort(key)
-        se = key // P2
-        pair = key % P2
-        sc = tl.minimum(se, NB - 1)
-        row = tl.gather(start, sc, 0) + lane - tl.gather(first, sc, 0)
-        local = se < N_LOCAL
-        tl.debug_barrier()  # the fill's stores land before any thread places a pair
-        tl.store(sorted_pair_ptr + row, pair, mask=local)
-        tl.store(pair_row_ptr + pair, tl.where(local, row, -1), mask=se < NB)
-        # blocks: the expert of block b = how many local experts end at or before it
-        ends = tl.cumsum(padded // BM, axis=0)
-        hist = tl.histogram(ends, B2, mask=mine & (ends < B2))
-        b = tl.arange(0, B2)
-        tl.store(block_expert_ptr + b, tl.cumsum(hist, axis=0), mask=b < MAX_BLOCKS)
+        _place_pairs(e, ok, lane, 0, start, first, sorted_pair_ptr, pair_row_ptr, N_LOCAL, NB, P2, True)
+        _block_table(padded, mine, block_expert_ptr, BM, MAX_BLOCKS, B2)
 
 
 def align_by_expert_triton(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int,
@@ -181,19 +192,9 @@ if HAVE_TRITON:
         lane = tl.arange(0, C)
         ok = c * C + lane < PAIRS
         e = _local_expert(ids_ptr, c * C + lane, ok, expert_offset, shared_id, N_LOCAL, ROUTED)
-        key = tl.sort(tl.where(ok, e, NB) * C + lane)
-        se = key // C
-        pair = c * C + key % C
-        sc = tl.minimum(se, NB - 1)
-        row = tl.gather(start, sc, 0) + lane - tl.gather(first, sc, 0)
-        local = se < N_LOCAL
-        tl.store(sorted_pair_ptr + row, pair, mask=local)
-        tl.store(pair_row_ptr + pair, tl.where(local, row, -1), mask=se < NB)
-        if c == 0:  # blocks: the expert of block b = how many local experts end at or before it
-            ends = tl.cumsum(padded // BM, axis=0)
-            hist = tl.histogram(ends, B2, mask=mine & (ends < B2))
-            b = tl.arange(0, B2)
-            tl.store(block_expert_ptr + b, tl.cumsum(hist, axis=0), mask=b < MAX_BLOCKS)
+        _place_pairs(e, ok, lane, c * C, start, first, sorted_pair_ptr, pair_row_ptr, N_LOCAL, NB, C, False)
+        if c == 0:
+            _block_table(padded, mine, block_expert_ptr, BM, MAX_BLOCKS, B2)
 
 
 def align_by_expert_chunked(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int,

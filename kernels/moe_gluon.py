@@ -242,6 +242,16 @@ if HAVE_GLUON:
         return pid_n, off_m, n_steps, active, second, third, w, ws
 
     @gluon.jit
+    def _trio_stage_tiles(STAGES: gl.constexpr, layout: gl.constexpr):
+        """The stage ring's tiles: each stage's three 64-row activation tiles and one [128, 128]
+        weight tile (FP8, K steps of 128)."""
+        a0 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], layout)
+        a1 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], layout)
+        a2 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], layout)
+        b = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, 128], layout)
+        return a0, a1, a2, b
+
+    @gluon.jit
     def _trio_barriers(STAGES: gl.constexpr):
         """Each stage's ready barrier (the producer's loads landed) and empty one (the three consumer
         groups released it)."""
@@ -372,10 +382,7 @@ if HAVE_GLUON:
                                             layout=smem_layout)
         h_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
-        a0_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
-        a1_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
-        a2_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
-        b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], smem_layout)
+        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout)
         plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         epi0 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
         epi1 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
@@ -446,10 +453,7 @@ if HAVE_GLUON:
                                             layout=smem_layout)
         w_desc = tma.make_tensor_descriptor(w, shape=[N_OUT, K], strides=[K, 1], block_shape=[128, BK],
                                             layout=smem_layout)
-        a0_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
-        a1_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
-        a2_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, BK], smem_layout)
-        b_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, BK], smem_layout)
+        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout)
         ready, empty = _trio_barriers(STAGES)
         off_n = pid_n * 128
         gl.warp_specialize([

@@ -224,6 +224,7 @@ def k_splits(tokens: int, experts: int, hidden: int, tiles: tuple[int, ...], sms
 
 
 def _sm_count(device: torch.device) -> int:
+    # off the GPU (the interpreter) the H200's 132, so the tests take the splits the GPU takes
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 

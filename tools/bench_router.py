@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     w = torch.randn(e, h, generator=g, device=device) * h ** -0.5
     bias = torch.randn(e, generator=g, device=device) * 0.1
     w3 = torch.randn(h, 3 * e, generator=g, device=device, dtype=torch.bfloat16)
-    grid = [c for c in itertools.product(*SWEEP.values())]
+    grid = list(itertools.product(*SWEEP.values()))
     rows, sweep_rows = [], []
     for t in args.tokens:
         x = torch.randn(t, h, generator=g, device=device).to(torch.bfloat16)
