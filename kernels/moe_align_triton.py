@@ -21,15 +21,15 @@ tile (no loop over chunks of pairs):
 With a shared expert run in the same launches, its id (shared_id, past every
 routed id) is one more local expert after the routed ones.
 
-One program holds every pair, so it is for small pair counts only:
-`align_fits(pairs)`; larger counts use the torch path, or (kernel option
-moe_align=triton_chunked, not yet the default) `align_by_expert_chunked`: the
-same steps over chunks of CHUNK pairs in two launches, the counts of every
-chunk first, then each chunk's places after the runs and the earlier chunks'
-pairs. The sort replaced a
+One program holds every pair, so it is for small pair counts only
+(`align_fits(pairs)`). `align_by_expert_chunked` does the same steps over
+chunks of pairs in two launches: the counts of every chunk first, then each
+chunk's places after the runs and the earlier chunks' pairs. `align_with_triton`
+picks between them: the one program up to ONE_PROGRAM_PAIRS, chunks past it
+(measured: docs/kernel-notes.md#moe-alignment). The sort replaced a
 counting loop over chunks of 64 pairs with one-hot sums, 2-13x faster at
-5-1000 pairs (docs/kernel-notes.md#moe-alignment). The pair count and the
-expert count are compile-time constants (one compile per token-count bucket).
+5-1000 pairs. The pair count and the expert count are compile-time constants
+(one compile per token-count bucket).
 """
 
 from __future__ import annotations
@@ -45,14 +45,23 @@ except ImportError:  # pragma: no cover
     triton = tl = None
     HAVE_TRITON = False
 
-# (token, slot) pairs up to which one program is used (64 tokens x top-4 + the shared slot =
-# 320 pairs at decode). Measured faster than the torch path up to 4095 pairs, by 2x there
-# (docs/kernel-notes.md#moe-alignment).
+# The one program's limit: it holds a sort of every pair (64 tokens x top-4 + the shared slot =
+# 320 pairs at decode).
 MAX_PAIRS = 4096
+# Up to here the one program, past it the chunks (one H200: the one program 4.6-7.7 us at 320-1000
+# pairs but 48-50 us at 2560-4095, where chunks of 256 pairs take 5.9-6.2 us).
+ONE_PROGRAM_PAIRS = 1024
 
 
 def align_fits(pairs: int) -> bool:
     return HAVE_TRITON and 0 < pairs <= MAX_PAIRS
+
+
+def chunk_pairs(pairs: int) -> int:
+    """Pairs per program of the chunked alignment: 256 up to 16384 pairs, 1024 past them (each
+    program reads every chunk's counts, so many small chunks lose there; measured best at 2560-81920
+    pairs among 256 / 512 / 1024 / 2048)."""
+    return 256 if pairs <= 16384 else 1024
 
 
 if HAVE_TRITON:
@@ -145,9 +154,7 @@ def align_by_expert_triton(ids: torch.Tensor, expert_offset: int, n_local: int, 
     return sorted_pair, block_expert, pair_row
 
 
-# ---- past one program's pairs: chunks of CHUNK pairs, two launches ----
-CHUNK = 2048  # pairs per program of the chunked alignment (one sort of this many keys)
-
+# ---- past one program's pairs: chunks of pairs, two launches ----
 if HAVE_TRITON:
 
     @triton.jit
@@ -198,10 +205,12 @@ if HAVE_TRITON:
 
 
 def align_by_expert_chunked(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int,
-                            shared_id: int = -2, chunk: int = CHUNK):
-    """align_by_expert_triton for any pair count: chunks of `chunk` pairs (a power of two), one
-    program each, in two launches (the counts, then the places); equal output."""
+                            shared_id: int = -2, chunk: int | None = None):
+    """align_by_expert_triton for any pair count: chunks of `chunk` pairs (a power of two; by
+    default chunk_pairs), one program each, in two launches (the counts, then the places); equal
+    output."""
     pairs = ids.numel()
+    chunk = chunk_pairs(pairs) if chunk is None else chunk
     if pairs == 0 or chunk & (chunk - 1):
         raise ValueError(f"align_by_expert_chunked: {pairs} pairs, chunk {chunk} (needs pairs and a power-of-two chunk)")
     routed = n_local
@@ -226,3 +235,10 @@ def align_by_expert_chunked(ids: torch.Tensor, expert_offset: int, n_local: int,
         PAIRS=pairs, N_LOCAL=n_local, ROUTED=routed, NB=nb, BM=block_m, MAX_BLOCKS=max_blocks,
         B2=triton.next_power_of_2(max_blocks), C=chunk, CHUNKS=chunks, RB=16, num_warps=warps)
     return sorted_pair, block_expert, pair_row
+
+
+def align_with_triton(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int, shared_id: int = -2):
+    """The layout from Triton at any pair count: the one program up to ONE_PROGRAM_PAIRS, chunks past it."""
+    if ids.numel() <= ONE_PROGRAM_PAIRS:
+        return align_by_expert_triton(ids, expert_offset, n_local, block_m, shared_id)
+    return align_by_expert_chunked(ids, expert_offset, n_local, block_m, shared_id)

@@ -10,8 +10,9 @@ routed to this rank's experts are sorted by expert and three kernels run:
     align_by_expert   (torch ops, no host sync) pairs sorted by expert, each
                       expert's run padded to a multiple of BLOCK_M; the
                       expert of every BLOCK_M-row block; each pair's row.
-                      Up to 4096 pairs (MAX_PAIRS) the same layout
-                      comes from one Triton program instead
+                      On the GPU the same layout comes from Triton
+                      instead: one program at decode sizes, chunks of
+                      pairs in two launches past them
                       (kernels/moe_align_triton.py; the kernel option
                       moe_align=torch keeps the sort)
     gate_up + act     grouped GEMM over the sorted rows (tokens gathered by
@@ -72,7 +73,7 @@ from . import moe_gluon
 from .fp8 import FP8_DTYPE, quantize_fp8_reference
 from .interpreter import triton_interpreting as _interpreting
 from .moe import mega_moe, moe
-from .moe_align_triton import align_by_expert_chunked, align_by_expert_triton, align_fits
+from .moe_align_triton import align_with_triton
 from .moe_expert_groups import expert_group_table
 from .moe_parallel import mega_moe_reference
 from .moe_quant_scatter import quantize_scatter_fp8
@@ -183,18 +184,13 @@ def _cached(cache: dict, key, make, device: torch.device, limit: int = 256):
 
 
 def _align(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int, shared_id: int = -2) -> Alignment:
-    """align_by_expert, or the same layout from one Triton program at decode sizes.
-
-    The default, triton, takes kernels/moe_align_triton.py up to its pair limit
-    (equal output, one launch instead of ~40; measured: docs/kernel-notes.md#moe-alignment);
-    triton_chunked also takes its chunked form (two launches) past that limit (not yet timed on
-    a GPU); the kernel option moe_align=torch keeps the torch sort everywhere (to compare)."""
-    mode = kernel_options().moe_align
-    if mode != "torch" and (ids.is_cuda or _interpreting()):
-        if align_fits(ids.numel()):
-            return Alignment(*align_by_expert_triton(ids, expert_offset, n_local, block_m, shared_id), block_m)
-        if mode == "triton_chunked":
-            return Alignment(*align_by_expert_chunked(ids, expert_offset, n_local, block_m, shared_id), block_m)
+    """align_by_expert, or the same layout from Triton (the default, moe_align=triton): one program
+    at decode sizes, chunks of pairs in two launches past them, instead of ~15-40 torch kernels
+    (equal output; measured: docs/kernel-notes.md#moe-alignment). The kernel option
+    moe_align=torch keeps the torch sort everywhere (to compare)."""
+    if (kernel_options().moe_align == "triton" and HAVE_TRITON and ids.numel() > 0
+            and (ids.is_cuda or _interpreting())):
+        return Alignment(*align_with_triton(ids, expert_offset, n_local, block_m, shared_id), block_m)
     return align_by_expert(ids, expert_offset, n_local, block_m, shared_id)
 
 

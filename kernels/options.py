@@ -26,7 +26,7 @@ environment, so a launcher sets the variables before it starts them.
 | moe_expert_groups | MINIMAX_MOE_EXPERT_GROUPS | (unset) | a whole number >= 1             | the grouped GEMMs' program order by expert: each group one expert's row blocks (at most this many), its column tiles first; overrides moe_group_m (kernels/moe_expert_groups.py) |
 | moe_gemm         | MINIMAX_MOE_GEMM         | auto    | auto, triton, gluon, gluon192    | the FP8 gate/up GEMM at prefill sizes: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py where the GPU runs it (sm_90), in its 192-row form from 256 rows per expert, else Triton; gluon = that kernel or an error; gluon192 = its 192-row form (three 64-row groups share each weight tile) or an error; triton = the Triton loop |
 | moe_down         | MINIMAX_MOE_DOWN         | auto    | auto, triton                     | the FP8 down GEMM: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py wherever the gate/up runs over 192-row blocks, else Triton; triton = the Triton kernel always |
-| moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch, triton_chunked    | torch: the experts' sorted layout from ~40 torch kernels instead of one Triton program (the default up to 4096 token-expert pairs); triton_chunked: past 4096 pairs as well, in chunks of pairs (two launches; not yet timed on a GPU) |
+| moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~15-40 torch kernels instead of Triton (one program up to 1024 token-expert pairs, chunks of pairs in two launches past them) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
 | moe_router_logits | MINIMAX_MOE_ROUTER_LOGITS | auto  | auto, cublas                     | the router's float32 logits above decode sizes: auto = three bf16 tensor-core products of bf16 rows (the weight split exactly into bf16 parts), cublas = cuBLAS on the rows cast to float32 |
 | moe_shared       | MINIMAX_MOE_SHARED       | merged  | merged, separate                 | separate: the shared expert in its own launches instead of inside the routed ones |
@@ -78,11 +78,12 @@ docs/kernel-notes.md). Who runs them:
   faster than it at 8192 tokens and even at 16384, the layer back to back 1-2% faster
   (docs/kernel-notes.md#the-down-gemm-over-the-same-blocks); triton keeps the Triton kernel,
   tools/tune_moe.py --moe-down and bench_e2e's minimax-moe-triton-down compare the two;
-* moe_align=triton_chunked: the alignment past 4096 pairs (prefill) in two launches instead of
-  the torch sort's ~15 (kernels/moe_align_triton.py:align_by_expert_chunked), the same tensors
-  element for element in the interpreter tests of tests/test_moe_triton.py; written on
-  2026-12-04 (sixteenth session) with no device time left, so neither its GPU tests nor a
-  timing have run: not the default until they have;
+* moe_align: triton takes the chunked alignment past 1024 pairs since 2026-12-04 (seventeenth
+  session; kernels/moe_align_triton.py:align_with_triton): on one H200 5.9-25 us a layer at
+  2560-81920 pairs against the torch sort's 119-179 us and the one program's 48-50 us at
+  2560-4095 pairs, the same tensors on the GPU at every chunk size
+  (docs/kernel-notes.md#moe-alignment); before, the one program took up to 4096 pairs and the
+  torch sort the rest;
 * moe_router_logits: auto (the default since 2026-12-04, sixteenth session) computes the
   logits of bf16 rows above LOGITS_MAX_TOKENS as three bf16 products of the exactly split
   float32 weight (kernels/moe_route_triton.py): 1.2x faster than cuBLAS at 17 rows, 4.7-6.1x at
@@ -156,9 +157,9 @@ class KernelOptions:
         "kernels/moe_gluon.py wherever the gate/up runs over 192-row blocks, else Triton; triton = the Triton "
         "kernel always", choices=("auto", "triton"))
     moe_align: str = _switch(
-        "MINIMAX_MOE_ALIGN", "triton", "torch: the experts' sorted layout from ~40 torch kernels instead of one "
-        "Triton program; triton_chunked: past one program's 4096 pairs as well, in chunks of pairs (two "
-        "launches; not yet timed on a GPU)", choices=("triton", "torch", "triton_chunked"))
+        "MINIMAX_MOE_ALIGN", "triton", "torch: the experts' sorted layout from ~15-40 torch kernels instead of "
+        "Triton (one program up to 1024 token-expert pairs, chunks of pairs in two launches past them)",
+        choices=("triton", "torch"))
     moe_route: str = _switch(
         "MINIMAX_MOE_ROUTE", "triton", "torch: the router's selection op for op instead of one Triton kernel",
         choices=("triton", "torch"))

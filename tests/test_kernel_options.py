@@ -56,7 +56,7 @@ def test_every_variable_is_read():
     ("MINIMAX_MOE_GROUP_M", "-1", "use a whole number >= 0"),
     ("MINIMAX_MOE_GROUP_M", "four", "use a whole number >= 0"),
     ("MINIMAX_MOE_EXPERT_GROUPS", "0", "use a whole number >= 1"),
-    ("MINIMAX_MOE_ALIGN", "cub", "use one of triton, torch, triton_chunked (default triton)"),
+    ("MINIMAX_MOE_ALIGN", "cub", "use one of triton, torch (default triton)"),
     ("MINIMAX_MOE_ROUTE", "cub", "use one of triton, torch (default triton)"),
     ("MINIMAX_MOE_SHARED", "fused", "use one of merged, separate (default merged)"),
     ("MINIMAX_GEMM_RS_FUSED", "yes", "use one of 1, 0 (default 1)"),

@@ -76,7 +76,7 @@ def _switched(switch: str):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kt, "grouped_gated_mlp", spy(grouped, kt.grouped_gated_mlp))
         mp.setattr(kt, "align_by_expert", spy(sorted_in_torch, kt.align_by_expert))
-        mp.setattr(kt, "align_by_expert_triton", spy(sorted_in_triton, kt.align_by_expert_triton))
+        mp.setattr(kt, "align_with_triton", spy(sorted_in_triton, kt.align_with_triton))
         mp.setattr(kt, "route_triton", spy(routed, kt.route_triton))
         mp.setattr(kt, "gluon_fits", spy(fits, kt.gluon_fits))
         mp.setattr(mg, "gate_up_act", spy(gluon, mg.gate_up_act))
@@ -709,24 +709,30 @@ def test_chunked_alignment_equals_the_sort(interp, tokens, k, experts, offset, n
         assert torch.equal(a, b)
 
 
-def test_chunked_alignment_is_taken_past_one_program_only_when_asked(interp, monkeypatch):
-    """moe_align=triton_chunked: the one-program kernel up to MAX_PAIRS, the chunks past it;
-    the default keeps the torch sort past it."""
+def test_default_alignment_takes_one_program_then_chunks_and_torch_only_when_asked(interp, monkeypatch):
+    """moe_align=triton (the default): the one program up to ONE_PROGRAM_PAIRS, chunks of
+    chunk_pairs past them; moe_align=torch: the torch sort at every size."""
     from minimax_backend.kernels import moe_align_triton as al
 
     calls = []
-    monkeypatch.setattr(interp, "align_by_expert_chunked",
-                        lambda *a, **kw: calls.append(a[0].numel()) or al.align_by_expert_chunked(*a, **kw))
-    big = _align_ids(al.MAX_PAIRS // 4 + 1, 4, 128, seed=1)
-    small = _align_ids(9, 4, 128, seed=2)
-    with override_kernel_options(moe_align="triton_chunked"):
-        got = interp._align(big, 0, 128, 64)
-        interp._align(small, 0, 128, 64)
-    assert calls == [big.numel()]
-    want = interp.align_by_expert(big, 0, 128, 64)
-    assert torch.equal(got.sorted_pair, want.sorted_pair) and torch.equal(got.pair_row, want.pair_row)
-    interp._align(big, 0, 128, 64)  # the default: the torch sort
-    assert calls == [big.numel()]
+    monkeypatch.setattr(al, "align_by_expert_triton",
+                        lambda *a, _f=al.align_by_expert_triton, **kw: calls.append(("one", a[0].numel())) or _f(*a, **kw))
+    monkeypatch.setattr(al, "align_by_expert_chunked",
+                        lambda *a, _f=al.align_by_expert_chunked, **kw: calls.append(("chunks", a[0].numel())) or _f(*a, **kw))
+    at_limit = _align_ids(al.ONE_PROGRAM_PAIRS // 4, 4, 128, seed=3)
+    past = _align_ids(al.ONE_PROGRAM_PAIRS // 4 + 1, 4, 128, seed=1)
+    got = interp._align(past, 0, 128, 64)
+    interp._align(at_limit, 0, 128, 64)
+    assert calls == [("chunks", past.numel()), ("one", at_limit.numel())]
+    want = interp.align_by_expert(past, 0, 128, 64)
+    for a, b in zip((got.sorted_pair, got.block_expert, got.pair_row),
+                    (want.sorted_pair, want.block_expert, want.pair_row)):
+        assert torch.equal(a, b)
+    with override_kernel_options(moe_align="torch"):
+        interp._align(past, 0, 128, 64)
+        interp._align(at_limit, 0, 128, 64)
+    assert len(calls) == 2
+    assert [al.chunk_pairs(n) for n in (1025, 16384, 16385, 81920)] == [256, 256, 1024, 1024]
 
 
 def test_triton_alignment_refuses_too_many_pairs(interp):
@@ -955,9 +961,10 @@ def test_triton_alignment_on_gpu_equals_the_sort(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens, bm", [(1100, 192), (8192, 192), (16384, 64), (3001, 16)])
+@pytest.mark.parametrize("tokens, bm", [(205, 64), (1100, 192), (8192, 192), (16384, 64), (3001, 16)])
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_chunked_alignment_on_gpu_equals_the_sort(tokens, bm, with_shared):
+    """The chunks at the size chunk_pairs picks (256 or 1024 pairs) against the torch sort."""
     from minimax_backend.kernels.moe_align_triton import align_by_expert_chunked
     from minimax_backend.kernels.moe_triton import align_by_expert
 

@@ -360,17 +360,22 @@ def test_moe_route_and_alignment_kernels_compile(moe):
         assert "wgmma.mma_async.sync.aligned" in ptx and ".bf16.bf16" in ptx and shared <= H200_SHARED_BYTES
     compile_sm90(rt._split_bf16_kernel, {"w_ptr": "*fp32", "parts_ptr": "*bf16", "N": "i32"},
                  dict(BLOCK=rt.SPLIT_BLOCK), ["w_ptr", "parts_ptr", "N"], num_warps=4)
-    # the chunked alignment (prefill): 2048 pairs per program, M3's 128 experts + the shared one
-    compile_sm90(al._chunk_counts_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_pair_ptr": "*i32",
-                                           "expert_offset": "i32", "shared_id": "i32", "share": "i32"},
-                 dict(PAIRS=40960, N_LOCAL=129, ROUTED=128, NB=256, C=al.CHUNK, MAX_ROWS=65664, FILL=1024),
-                 ["ids_ptr", "counts_ptr", "sorted_pair_ptr"], num_warps=16)
-    compile_sm90(al._chunk_place_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_pair_ptr": "*i32",
-                                          "block_expert_ptr": "*i32", "pair_row_ptr": "*i32", "expert_offset": "i32",
-                                          "shared_id": "i32"},
-                 dict(PAIRS=40960, N_LOCAL=129, ROUTED=128, NB=256, BM=192, MAX_BLOCKS=342, B2=512, C=al.CHUNK,
-                      CHUNKS=20, RB=16), ["ids_ptr", "counts_ptr", "sorted_pair_ptr", "block_expert_ptr",
-                                          "pair_row_ptr"], num_warps=16)
+    # the chunked alignment at the chunk sizes chunk_pairs picks, M3's 128 experts + the shared one:
+    # 1024 pairs per program at an 8k prefill, 256 at 1024 tokens
+    for pairs, max_rows, max_blocks, bm in ((40960, 65664, 342, 192), (5120, 13248, 207, 64)):
+        chunk = al.chunk_pairs(pairs)
+        warps = 4 if chunk <= 256 else 8
+        compile_sm90(al._chunk_counts_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_pair_ptr": "*i32",
+                                               "expert_offset": "i32", "shared_id": "i32", "share": "i32"},
+                     dict(PAIRS=pairs, N_LOCAL=129, ROUTED=128, NB=256, C=chunk, MAX_ROWS=max_rows, FILL=1024),
+                     ["ids_ptr", "counts_ptr", "sorted_pair_ptr"], num_warps=warps)
+        compile_sm90(al._chunk_place_kernel, {"ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_pair_ptr": "*i32",
+                                              "block_expert_ptr": "*i32", "pair_row_ptr": "*i32",
+                                              "expert_offset": "i32", "shared_id": "i32"},
+                     dict(PAIRS=pairs, N_LOCAL=129, ROUTED=128, NB=256, BM=bm, MAX_BLOCKS=max_blocks,
+                          B2=triton.next_power_of_2(max_blocks), C=chunk, CHUNKS=-(-pairs // chunk), RB=16),
+                     ["ids_ptr", "counts_ptr", "sorted_pair_ptr", "block_expert_ptr", "pair_row_ptr"],
+                     num_warps=warps)
     compile_sm90(al._align_kernel, {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32",
                                     "pair_row_ptr": "*i32", "expert_offset": "i32", "shared_id": "i32"},
                  dict(PAIRS=320, P2=512, N_LOCAL=129, ROUTED=128, NB=256, BM=16, MAX_ROWS=2256, MAX_BLOCKS=141,

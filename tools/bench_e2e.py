@@ -29,8 +29,8 @@ values: the attention cost does not depend on them). Variants:
                    after the 192-row gate/up instead of the Gluon one over the same blocks)
   minimax-router-cublas  ours with kernel option moe_router_logits=cublas (the router's
                    float32 logits by cuBLAS on the rows cast to float32, not three bf16 products)
-  minimax-align-chunked  ours with kernel option moe_align=triton_chunked (the experts'
-                   sorted layout past 4096 pairs in two Triton launches, not the torch sort)
+  minimax-align-torch  ours with kernel option moe_align=torch (the experts' sorted
+                   layout from the torch sort, not the Triton programs)
   eager            the plain model as written (the numerics reference)
   inductor         torch.compile(plain model); reduce-overhead: with CUDA graphs.
                    Under tracing the plain model's MoE runs every local expert on
@@ -91,7 +91,7 @@ KERNEL_VARIANTS = {
     "minimax-moe-gluon192": {"moe_gemm": "gluon192"},
     "minimax-moe-triton-down": {"moe_down": "triton"},
     "minimax-router-cublas": {"moe_router_logits": "cublas"},
-    "minimax-align-chunked": {"moe_align": "triton_chunked"},
+    "minimax-align-torch": {"moe_align": "torch"},
 }
 VARIANTS = ("eager", "torch-grouped", "inductor", "reduce-overhead", "minimax", *ABLATIONS, *KERNEL_VARIANTS)
 DEFAULT_VARIANTS = ("eager", "torch-grouped", "minimax", *ABLATIONS)
