@@ -40,6 +40,7 @@ class BackendConfig:
     fuse_indexer_qkv: str = _pass_switch("sparse layers: QKV + indexer projections -> one GEMM")
     sequence_parallel: str = _pass_switch("residual stream split by token across TP ranks")
     fuse_norm_quant: str = _pass_switch("RMSNorm + FP8 quantize -> one kernel")
+    fuse_norm_rope: str = _pass_switch("per-head RMSNorm (QK norm) + RoPE -> one kernel")
     gemm_reduce_scatter: str = _pass_switch("matmul + reduce-scatter -> one overlapped op")
     moe_lower: str = _pass_switch("minimax::moe -> MegaMoE (dispatch, expert GEMMs, combine)")
     fuse_allreduce_norm_quant: str = _pass_switch("all-reduce + residual add + RMSNorm + FP8 quant -> one op")

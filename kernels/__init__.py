@@ -39,6 +39,7 @@ else:
     # op modules
     from . import fp8  # noqa: F401  (minimax::quantize_fp8, minimax::fp8_block_gemm)
     from . import norm_quant  # noqa: F401  (minimax::rms_norm_quant_fp8)
+    from . import norm_rope  # noqa: F401  (minimax::rms_norm_rope)
     from . import moe  # noqa: F401  (minimax::moe, minimax::mega_moe)
     from . import gemm_rs  # noqa: F401  (minimax::gemm_rs)
     from . import msa  # noqa: F401  (minimax::msa_select, minimax::msa_attention)
@@ -48,6 +49,7 @@ else:
     # GPU modules: the ops' CUDA kernels
     from . import fp8_gemm_cuda  # noqa: F401  (fp8_block_gemm)
     from . import norm_quant_triton  # noqa: F401  (rms_norm_quant_fp8, quantize_fp8)
+    from . import norm_rope_triton  # noqa: F401  (rms_norm_rope)
     from . import moe_triton  # noqa: F401  (moe, mega_moe)
     from . import gemm_rs_cuda  # noqa: F401  (gemm_rs)
     from . import msa_triton  # noqa: F401  (msa_select, msa_attention)
