@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.norm_rope import rope_reference
 from .linear import ColumnParallelLinear, Piece, ReplicatedLinear, RowParallelLinear, ShardingError, place_adjacent
 from .parallel import ParallelState, all_reduce
 from .weights import LoadPlan, attach_plan, rows, whole
@@ -100,13 +101,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """NeoX rotation of the first 2 * cos.shape[-1] dims of each head; x [T, heads, head_dim].
 
     The first half of the rotary dims pairs with the second half (not
-    interleaved); the dims after rotary_dim pass through unchanged."""
-    half = cos.shape[-1]
-    x1 = x[..., :half].float()
-    x2 = x[..., half:2 * half].float()
-    c, s = cos[:, None, :], sin[:, None, :]
-    rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-    return torch.cat([rotated, x[..., 2 * half:]], dim=-1)
+    interleaved); the dims after rotary_dim pass through unchanged. The math is
+    kernels/norm_rope.py:rope_reference, written once there: it is also the
+    reference of the fused norm + RoPE op (minimax::rms_norm_rope)."""
+    return rope_reference(x, cos, sin)
 
 
 # ----------------------------------------------------------------- attention
