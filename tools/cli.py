@@ -193,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(p)
     p.set_defaults(func=cmd_dump, decode_steps=0)
 
+    p = sub.add_parser("bisect", add_help=False,
+                       help="compiled vs eager once per pass switched the other way (tools/bisect_passes.py; "
+                            "`minimax-compile bisect --help`)")
+    # (main() hands everything after "bisect" to the tool's own parser)
+
     p = sub.add_parser("summarize", help="print the op-count table of a dump directory")
     p.add_argument("dir")
     p.set_defaults(func=cmd_summarize)
@@ -200,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bisect"]:
+        from minimax_backend.tools.bisect_passes import main as bisect_main
+
+        return bisect_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.func(args)
 
