@@ -48,9 +48,10 @@ except ImportError:  # pragma: no cover
 # The one program's limit: it holds a sort of every pair (64 tokens x top-4 + the shared slot =
 # 320 pairs at decode).
 MAX_PAIRS = 4096
-# Up to here the one program, past it the chunks (one H200: the one program 4.6-7.7 us at 320-1000
-# pairs but 48-50 us at 2560-4095, where chunks of 256 pairs take 5.9-6.2 us).
-ONE_PROGRAM_PAIRS = 1024
+# Up to here the one program, past it the chunks. One H100 (2026-12-05): the one program 5.0 / 7.7 /
+# 8.2 us at 320 / 640 / 1020 pairs, chunks of 256 pairs 6.1-6.2 at each; one H200: the one program
+# 4.6 / 7.4 / 7.7 us at 320 / 640 / 1000 and 48-50 at 2560-4095, chunks 5.9-6.2 at 2560-4095.
+ONE_PROGRAM_PAIRS = 512
 
 
 def align_fits(pairs: int) -> bool:

@@ -26,7 +26,7 @@ environment, so a launcher sets the variables before it starts them.
 | moe_expert_groups | MINIMAX_MOE_EXPERT_GROUPS | (unset) | a whole number >= 1             | the grouped GEMMs' program order by expert: each group one expert's row blocks (at most this many), its column tiles first; overrides moe_group_m (kernels/moe_expert_groups.py) |
 | moe_gemm         | MINIMAX_MOE_GEMM         | auto    | auto, triton, gluon, gluon192    | the FP8 gate/up GEMM at prefill sizes: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py where the GPU runs it (sm_90), in its 192-row form from 256 rows per expert, else Triton; gluon = that kernel or an error; gluon192 = its 192-row form (three 64-row groups share each weight tile) or an error; triton = the Triton loop |
 | moe_down         | MINIMAX_MOE_DOWN         | auto    | auto, triton                     | the FP8 down GEMM: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py wherever the gate/up runs over 192-row blocks, else Triton; triton = the Triton kernel always |
-| moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~15-40 torch kernels instead of Triton (one program up to 1024 token-expert pairs, chunks of pairs in two launches past them) |
+| moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~15-40 torch kernels instead of Triton (one program up to 512 token-expert pairs, chunks of pairs in two launches past them) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
 | moe_router_logits | MINIMAX_MOE_ROUTER_LOGITS | auto  | auto, cublas                     | the router's float32 logits above decode sizes: auto = three bf16 tensor-core products of bf16 rows (the weight split exactly into bf16 parts), cublas = cuBLAS on the rows cast to float32 |
 | moe_shared       | MINIMAX_MOE_SHARED       | merged  | merged, separate                 | separate: the shared expert in its own launches instead of inside the routed ones |
@@ -79,7 +79,7 @@ docs/kernel-notes.md). Who runs them:
   (docs/kernel-notes.md#the-down-gemm-over-the-same-blocks); triton keeps the Triton kernel,
   tools/tune_moe.py --moe-down and bench_e2e's minimax-moe-triton-down compare the two;
 * moe_align: triton takes the chunked alignment past 1024 pairs since 2026-12-04 (seventeenth
-  session; kernels/moe_align_triton.py:align_with_triton): on one H200 5.9-25 us a layer at
+  session; kernels/moe_align_triton.py:align_with_triton), past 512 since 2026-12-05: on one H200 5.9-25 us a layer at
   2560-81920 pairs against the torch sort's 119-179 us and the one program's 48-50 us at
   2560-4095 pairs, the same tensors on the GPU at every chunk size
   (docs/kernel-notes.md#moe-alignment); before, the one program took up to 4096 pairs and the
@@ -158,7 +158,7 @@ class KernelOptions:
         "kernel always", choices=("auto", "triton"))
     moe_align: str = _switch(
         "MINIMAX_MOE_ALIGN", "triton", "torch: the experts' sorted layout from ~15-40 torch kernels instead of "
-        "Triton (one program up to 1024 token-expert pairs, chunks of pairs in two launches past them)",
+        "Triton (one program up to 512 token-expert pairs, chunks of pairs in two launches past them)",
         choices=("triton", "torch"))
     moe_route: str = _switch(
         "MINIMAX_MOE_ROUTE", "triton", "torch: the router's selection op for op instead of one Triton kernel",

@@ -25,9 +25,9 @@ import argparse
 
 import torch
 
-# 204 / 205 tokens: 1020 / 1025 pairs, either side of ONE_PROGRAM_PAIRS; 819: 4095 pairs, the one
-# program's largest
-TOKENS = (1, 16, 64, 128, 204, 205, 512, 819, 2048, 8192, 16384)
+# 102 / 103 tokens: 510 / 515 pairs, either side of ONE_PROGRAM_PAIRS; 204 / 205: either side of
+# its earlier 1024; 819: 4095 pairs, the one program's largest
+TOKENS = (1, 16, 64, 102, 103, 128, 204, 205, 512, 819, 2048, 8192, 16384)
 CHUNKS = (256, 512, 1024, 2048)
 
 
