@@ -9,9 +9,10 @@ output [T, heads, D] of dtype X, h = rotary_dim / 2:
     rot = convert(cat([sub(mul(x1, c), mul(x2, s)), add(mul(x2, c), mul(x1, s))], -1), X)
     out = cat([rot, slice(n, -1, 2h, end)], -1)  (just rot when rotary_dim = D)
 
-(the converts absent in a float32 graph). The candidates are the rotations (the inner cat); a
-candidate whose input is not an RMSNorm (patterns/norm_quant.py:match_rms_norm) is left alone
-with the reason, so a model with another QK norm (M2's per-layer one) shows up in the record.
+(the converts absent in a float32 graph). The candidates are the rotations (the inner cat) of an
+RMSNorm's output (patterns/norm_quant.py:match_rms_norm); `normed_rotations` also returns the
+other rotations, so that a model with another QK norm (M2's per-layer one) or none shows up in
+the pass's record. A candidate that is not exactly the form above is a Mismatch saying where.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .norm_quant import RMSNormMatch, match_rms_norm
 
 __all__ = ["NormRopeMatch", "rotation_candidates", "normed_rotations", "match_norm_rope"]
 
+
 def _dim(node: fx.Node, d) -> int:
     rank = tensor_val(node).dim()
     return d % rank if isinstance(d, int) else -1
@@ -37,7 +39,7 @@ def _cat_parts(node) -> list | None:
         return None
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     v = tensor_val(node)
-    if v is None or _dim(node, dim) != v.dim() - 1:
+    if v is None or v.dim() == 0 or _dim(node, dim) != v.dim() - 1:
         return None
     return list(node.args[0])
 
