@@ -141,6 +141,18 @@ if HAVE_TRITON:
         return h
 
     @triton.jit
+    def scaled_norm(h, rstd, w, GEMMA: tl.constexpr, ROUND_BF16: tl.constexpr):
+        """The norm's output in float32, rounded where the model rounds: Gemma round(h * rstd * w)
+        (w is 1 + weight here), plain round(round(h * rstd) * w). Shared with kernels/norm_rope_triton.py."""
+        normed = h * rstd
+        if not GEMMA and ROUND_BF16:
+            normed = _round_to_bf16(normed)
+        y = normed * w
+        if ROUND_BF16:
+            y = _round_to_bf16(y)
+        return y
+
+    @triton.jit
     def quant_groups(y):
         """The 1 x G quantization of an [NG, G] float32 tile: (q, clamped to the FP8 range, still
         float32; scale [NG]). One power-of-two scale per group, 2 ** ceil(log2(amax / 448)),
@@ -162,17 +174,7 @@ if HAVE_TRITON:
         row64 = row.to(tl.int64)
         y = h
         if NORM:
-            normed = h * rstd
-            if GEMMA:
-                y = normed * w  # w is 1 + weight here
-                if ROUND_BF16:
-                    y = _round_to_bf16(y)
-            else:
-                if ROUND_BF16:
-                    normed = _round_to_bf16(normed)
-                y = normed * w
-                if ROUND_BF16:
-                    y = _round_to_bf16(y)
+            y = scaled_norm(h, rstd, w, GEMMA, ROUND_BF16)
         if WANT_Y:
             tl.store(y_ptr + row64 * stride_y + col, y.to(y_ptr.dtype.element_ty), mask=mask)
         if QUANT:

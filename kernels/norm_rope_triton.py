@@ -28,7 +28,7 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from .norm_quant_triton import _round_to_bf16
+    from .norm_quant_triton import _round_to_bf16, scaled_norm
 
 __all__ = ["supported", "rms_norm_rope_triton", "heads_per_program"]
 
@@ -49,19 +49,6 @@ def heads_per_program(heads: int, block_d: int) -> int:
 
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _norm(v, rstd, w, GEMMA: tl.constexpr, ROUND_BF16: tl.constexpr):
-        normed = v * rstd
-        if GEMMA:
-            y = normed * w  # w is 1 + weight here
-        else:
-            if ROUND_BF16:
-                normed = _round_to_bf16(normed)
-            y = normed * w
-        if ROUND_BF16:
-            y = _round_to_bf16(y)
-        return y
 
     @triton.jit
     def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, stride_xt, stride_xh, stride_c,
@@ -85,8 +72,8 @@ if HAVE_TRITON:
         # IEEE division and sqrt, as torch's mean and CPU rsqrt (see kernels/norm_quant_triton.py)
         var = tl.math.div_rn(tl.sum(x * x, axis=1), d_f) + eps
         rstd = tl.math.div_rn(tl.full(var.shape, 1.0, tl.float32), tl.math.sqrt_rn(var))[:, None]
-        y = _norm(x, rstd, w[None, :], GEMMA, ROUND_BF16)
-        yp = _norm(xp, rstd, wp[None, :], GEMMA, ROUND_BF16)
+        y = scaled_norm(x, rstd, w[None, :], GEMMA, ROUND_BF16)
+        yp = scaled_norm(xp, rstd, wp[None, :], GEMMA, ROUND_BF16)
         c = tl.load(cos_ptr + tok.to(tl.int64) * stride_c + d % HALF, mask=rot, other=0.0)[None, :]
         s = tl.load(sin_ptr + tok.to(tl.int64) * stride_s + d % HALF, mask=rot, other=0.0)[None, :]
         first = (d < HALF)[None, :]
