@@ -26,10 +26,6 @@ from .base import CandidatePass, PassContext, PassResult
 from .manager import register_pass
 
 
-OFF_UNDER_AUTO = ("off under auto until a BF16 discrepancy under Inductor on the GPU is understood "
-                  "(graph_passes/fuse_norm_rope.py); fuse_norm_rope='on' runs it")
-
-
 @register_pass
 class FuseNormRopePass(CandidatePass):
     name = "fuse_norm_rope"
@@ -39,9 +35,7 @@ class FuseNormRopePass(CandidatePass):
     what = "rotations of a norm"
 
     def auto_rule(self, gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
-        if not normed_rotations(gm.graph)[0]:
-            return self.no_candidates
-        return OFF_UNDER_AUTO
+        return None if normed_rotations(gm.graph)[0] else self.no_candidates
 
     def candidates(self, gm: torch.fx.GraphModule, ctx: PassContext) -> list[torch.fx.Node]:
         return normed_rotations(gm.graph)[0]

@@ -12,7 +12,7 @@ from minimax_backend.tools.cli import main as cli_main
 def test_bisect_flips_the_named_pass_and_the_code_generator(tmp_path, capsys):
     out = tmp_path / "bisect.json"
     cli_main(["bisect", "--preset", "tiny-m3", "--dtype", "float32", "--tokens", "13", "--options",
-              '{"codegen": "fx", "cudagraphs": false}', "--passes", "fuse_norm_rope", "--json", str(out)])
+              '{"codegen": "fx", "cudagraphs": false, "fuse_norm_rope": "off"}', "--passes", "fuse_norm_rope", "--json", str(out)])
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["default", "fuse_norm_rope=on", "codegen=inductor"]
     # float32, FX codegen: the rewrites are exact against eager, the fusion included

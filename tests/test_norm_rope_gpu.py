@@ -53,16 +53,21 @@ def test_gpu_kernel_on_random_inputs_within_one_rounding(shape):
     assert frac < 1e-2 and worst <= 1.5 * 2 ** -7, (frac, worst)
 
 
-@pytest.mark.xfail(strict=True, reason="known: BF16 tiny M3 under Inductor on the GPU differs from eager by 0.26 of "
-                   "the largest logit with the fusion, 0.009 without (one H100, 2026-12-05); the op's outputs equal "
-                   "the eager reference call by call and the FX codegen is within 0.007; why is open, so "
-                   "fuse_norm_rope is off under auto (graph_passes/fuse_norm_rope.py)")
-def test_gpu_tiny_m3_compiled_with_the_fusion_matches_without_it():
+def test_gpu_tiny_m3_compiled_with_the_fusion_matches_eager_as_closely_as_without_it():
+    """BF16 under Inductor on the GPU, with the fusion (auto) and without, each against eager per token.
+
+    Not the largest error: a token whose top-2 routing sits on a near-tie picks another expert in one
+    compile and not in another, which moves that token alone by 0.1-0.3 of the largest logit. On this
+    input on an H100 (2026-12-05) token 10's second and third expert scores are 2.5e-4 apart in the
+    second MoE layer: with the fusion it flipped (largest error 0.26), without it not (0.009); on
+    another input it flipped without the fusion and not with it. A fault in the fused op moves every
+    token, so the median and the 90th percentile are the measures (both 0.005-0.009 here)."""
     from minimax_backend.graph_passes import compile as minimax_compile
     from minimax_backend.graph_passes import last_compile_report
     from minimax_backend.model.minimax import build_model
     from minimax_backend.model.presets import load_preset
     from minimax_backend.model.random_weights import init_random_weights
+    from minimax_backend.tools.run_job import compare_logits
 
     cfg = load_preset("tiny-m3")
     model = init_random_weights(build_model(cfg, dtype=torch.bfloat16, device="cuda"))
@@ -70,14 +75,13 @@ def test_gpu_tiny_m3_compiled_with_the_fusion_matches_without_it():
     args = (ids, torch.arange(37, device="cuda")[None])
     with torch.no_grad():
         want = model(*args).float()
-        on = minimax_compile(model, fuse_norm_rope="on")(*args).float().clone()
+        on = minimax_compile(model)(*args).float().clone()
         fused = last_compile_report()["ops_after"].get("minimax.rms_norm_rope", 0)
         torch._dynamo.reset()
         off = minimax_compile(model, fuse_norm_rope="off")(*args).float().clone()
     assert fused >= 2 * cfg.num_hidden_layers, fused
-    scale = want.abs().max()
-    err_on, err_off = float((on - want).abs().max() / scale), float((off - want).abs().max() / scale)
-    # ours rounds where eager rounds; Inductor's fused norm + rope keeps float32 in between
-    assert err_on <= err_off + 0.02, (err_on, err_off)
-    agree = float((on.argmax(-1) == want.argmax(-1)).float().mean())
-    assert agree >= 0.99 or agree >= float((off.argmax(-1) == want.argmax(-1)).float().mean()), agree
+    err_on, err_off = compare_logits(want, on), compare_logits(want, off)
+    # BF16 noise of the whole model is ~0.006 of the largest logit per token: ours rounds where eager rounds
+    assert err_on["median_token_rel_err"] <= 0.01 and err_on["p90_token_rel_err"] <= 0.02, err_on
+    assert err_on["median_token_rel_err"] <= err_off["median_token_rel_err"] + 0.003, (err_on, err_off)
+    assert err_on["argmax_agreement"] >= 0.9, err_on

@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from minimax_backend.graph_passes.base import PassContext, PassError
 from minimax_backend.graph_passes.config import BackendConfig
-from minimax_backend.graph_passes.fuse_norm_rope import OFF_UNDER_AUTO, FuseNormRopePass
+from minimax_backend.graph_passes.fuse_norm_rope import FuseNormRopePass
 from minimax_backend.graph_passes.manager import run_passes
 from minimax_backend.graph_passes.op_counts import op_counts
 from minimax_backend.model.layers import RMSNorm, apply_rope, rope_cos_sin
@@ -123,10 +123,10 @@ def test_rope_without_a_norm_is_not_a_candidate():
         _run(gm, strict=True)
 
 
-def test_auto_leaves_it_off_and_says_why():
+def test_auto_runs_it_where_a_norm_is_rotated():
     gm = _trace(_qk(), *_attention_inputs())
     config = BackendConfig()
-    assert FuseNormRopePass(config).decide(gm, PassContext(config=config)) == (False, "auto: " + OFF_UNDER_AUTO)
+    assert FuseNormRopePass(config).decide(gm, PassContext(config=config)) == (True, None)
 
 
 def _tiny(preset: str, dtype=torch.bfloat16):
@@ -147,7 +147,7 @@ def _record(report, name="fuse_norm_rope"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiny_m3_every_qk_norm_fuses_and_the_logits_are_eagers(dtype):
     cfg, model, args = _tiny("tiny-m3", dtype)
-    out, rep = compile_with(model, args, strict=True, fuse_norm_rope="on")
+    out, rep = compile_with(model, args, strict=True)  # auto
     rec = _record(rep)
     layers = cfg.num_hidden_layers
     sparse = sum(1 for line in rec["details"] if "[1 heads" in line)  # the indexer's one key head per sparse layer

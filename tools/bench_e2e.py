@@ -19,9 +19,7 @@ values: the attention cost does not depend on them). Variants:
                    replays return the graph's own outputs, valid until the next call
                    (cudagraph_copy_outputs off), as the baseline's graphs do
   minimax-no-X     the same with X off (moe = no MoE rewrite at all, sp, normquant,
-                   gemmrs, megamoe, cudagraphs)
-  minimax-normrope  the same with fuse_norm_rope on (off under auto for now: see
-                   graph_passes/fuse_norm_rope.py)
+                   normrope, gemmrs, megamoe, cudagraphs)
   minimax-moe-triton  ours with kernel option moe_gemm=triton (the Triton gate/up
                    loop instead of the default's warp-specialized Gluon kernel on sm_90)
   minimax-moe-gluon  ours with kernel option moe_gemm=gluon (the Gluon gate/up GEMM
@@ -82,7 +80,7 @@ ABLATIONS = {
     "minimax-no-moe": {"moe_canonicalize": "off"},
     "minimax-no-sp": {"sequence_parallel": "off"},
     "minimax-no-normquant": {"fuse_norm_quant": "off"},
-    "minimax-normrope": {"fuse_norm_rope": "on"},
+    "minimax-no-normrope": {"fuse_norm_rope": "off"},
     "minimax-no-gemmrs": {"gemm_reduce_scatter": "off"},
     "minimax-no-megamoe": {"moe_lower": "off"},
     "minimax-no-cudagraphs": {"cudagraphs": False},
