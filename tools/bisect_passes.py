@@ -9,8 +9,9 @@ Rows: `default` (every option as given), then per pass switch the same with that
 the rewritten ATen graph run op by op instead of Inductor's code, or the reverse). Each row: the flipped pass's matches, the logits' largest
 error over the largest eager logit, the per-token median, argmax agreement with eager. A row
 whose error differs from the default's by much names the pass (or the code generator) to look
-at: that is how a BF16 discrepancy of `fuse_norm_rope` under Inductor on the GPU showed on
-2026-12-05, by hand.
+at, if the per-token median moves with it: a largest error that moves alone is usually one token
+whose MoE routing sits on a near-tie and flips between two compiles (that was the BF16
+"discrepancy" of `fuse_norm_rope` on 2026-12-05: docs/measurements/2026-12-05.md).
 
 The model: a preset (`model/presets/`) with random weights (`init_random_weights`: scaled like a
 trained model) or a checkpoint directory; random token ids from --seed.
