@@ -19,6 +19,9 @@ def test_bisect_flips_the_named_pass_and_the_code_generator(tmp_path, capsys):
     assert rows["default"]["max_rel_err"] == 0.0 and rows["fuse_norm_rope=on"]["max_rel_err"] == 0.0
     assert rows["fuse_norm_rope=on"]["matches"] > 0 and rows["default"]["matches"] == ""
     assert rows["codegen=inductor"]["max_rel_err"] < 1e-4 and rows["codegen=inductor"]["argmax_agreement"] == 1.0
+    # every row watched the MoE's routing: in float32 no token takes another expert
+    assert all(r["flipped_tokens"] == 0 and r["flips"]["tokens"] == [] for r in rows.values())
+    assert rows["default"]["max_rel_err_unflipped"] == rows["default"]["max_rel_err"]
     assert "compiled vs eager per pass flipped" in capsys.readouterr().out
 
 

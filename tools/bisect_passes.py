@@ -6,12 +6,14 @@ other way (one process, TP 1).
 
 Rows: `default` (every option as given), then per pass switch the same with that pass flipped
 (`off` where it ran, `on` where `auto` left it off), and the other code generator (`codegen=fx`:
-the rewritten ATen graph run op by op instead of Inductor's code, or the reverse). Each row: the flipped pass's matches, the logits' largest
-error over the largest eager logit, the per-token median, argmax agreement with eager. A row
-whose error differs from the default's by much names the pass (or the code generator) to look
-at, if the per-token median moves with it: a largest error that moves alone is usually one token
-whose MoE routing sits on a near-tie and flips between two compiles (that was the BF16
-"discrepancy" of `fuse_norm_rope` on 2026-12-05: docs/measurements/2026-12-05.md).
+the rewritten ATen graph run op by op instead of Inductor's code, or the reverse). Each row: the
+flipped pass's matches, the logits' largest error over the largest eager logit, the per-token
+median, the tokens whose MoE routing differs from eager's in some layer and the largest error
+without them (tools/routing_flips.py), argmax agreement with eager. A row whose error without
+the flipped tokens differs from the default's by much names the pass (or the code generator) to
+look at. A largest error that moves alone, with a flipped token, is a routing near-tie: two
+correct compiles round differently and one token takes another expert (the BF16 "discrepancy"
+of `fuse_norm_rope` on 2026-12-05 was one: docs/measurements/2026-12-05.md).
 
 The model: a preset (`model/presets/`) with random weights (`init_random_weights`: scaled like a
 trained model) or a checkpoint directory; random token ids from --seed.
@@ -91,6 +93,8 @@ def main(argv=None) -> None:
 
     import minimax_backend.graph_passes as gp
     from minimax_backend.tools.bench_common import hardware, print_table
+    from minimax_backend.kernels.moe_probe import watch_router_inputs
+    from minimax_backend.tools.routing_flips import eager_router_calls, errors_without, routing_flips
     from minimax_backend.tools.run_job import compare_logits
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -98,19 +102,28 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, config.vocab_size, (1, args.tokens), generator=gen).to(device)
     pos = torch.arange(args.tokens, device=device)[None]
-    with torch.no_grad():
-        eager = model(ids, pos)
+    eager_calls, eager = eager_router_calls(model, ids, pos)
     eager = eager[0] if isinstance(eager, tuple) else eager
 
     def run(name: str, options: dict) -> tuple[dict, dict]:
         t0 = time.perf_counter()
         torch._dynamo.reset()
-        with torch.no_grad():
-            out = gp.compile(model, **options)(ids, pos)
+        with torch.no_grad(), watch_router_inputs() as calls:
+            out = gp.compile(model, **options)(ids, pos)  # the first call runs the ops (no replay yet)
         out = (out[0] if isinstance(out, tuple) else out).clone()
         report = gp.last_compile_report()
-        row = {"variant": name, **compare_logits(eager, out), "seconds": time.perf_counter() - t0}
-        print(f"[bisect] {name}: rel err {row['max_rel_err']:.3g}, argmax {row['argmax_agreement']:.3f} "
+        row = {"variant": name, **compare_logits(eager, out)}
+        if calls or not eager_calls:
+            flips = routing_flips(eager_calls, calls)
+            rest = errors_without(eager, out, flips.tokens)
+            row.update(flipped_tokens=len(flips.tokens), max_rel_err_unflipped=rest["max_rel_err"],
+                       flips=flips.as_dict())
+            note = f"{len(flips.tokens)} token(s) routed otherwise than eager, {rest['max_rel_err']:.3g} without them"
+        else:  # the MoE left as the model's code (moe_canonicalize off): its routing is not watched
+            row.update(flipped_tokens="-", max_rel_err_unflipped="-", flips=None)
+            note = "routing not watched: no minimax MoE op ran"
+        row["seconds"] = time.perf_counter() - t0
+        print(f"[bisect] {name}: rel err {row['max_rel_err']:.3g} ({note}), argmax {row['argmax_agreement']:.3f} "
               f"({row['seconds']:.1f}s)", file=sys.stderr, flush=True)
         return row, report
 
@@ -126,9 +139,12 @@ def main(argv=None) -> None:
         rec = next((r for r in rep["passes"] if r["name"] == pass_name), None)
         row["matches"] = rec["matches"] if rec is not None and rec["enabled"] else "-"
         rows.append(row)
-    cols = ["variant", "matches", "max_rel_err", "median_token_rel_err", "argmax_agreement", "finite", "seconds"]
+    cols = ["variant", "matches", "max_rel_err", "median_token_rel_err", "flipped_tokens", "max_rel_err_unflipped",
+            "argmax_agreement", "finite", "seconds"]
     print_table(rows, cols, title=f"compiled vs eager per pass flipped ({args.dtype}, {args.device}, "
-                                  f"{args.tokens} tokens); max_rel_err over the largest eager logit")
+                                  f"{args.tokens} tokens); max_rel_err over the largest eager logit; "
+                                  "flipped_tokens: tokens whose MoE routing differs from eager's in some "
+                                  "layer (a near-tie), max_rel_err_unflipped: the largest error without them")
     if args.json:
         from minimax_backend.tools.bench_common import write_json
 
