@@ -45,6 +45,20 @@ def test_bench_e2e_smoke_on_cpu(tmp_path):
     assert any(k.endswith("/minimax") for k in d["compiles"])
 
 
+@pytest.mark.slow
+def test_bench_e2e_at_one_rank_names_the_tokens_routed_otherwise(tmp_path):
+    from minimax_backend.tools import bench_e2e
+
+    out = tmp_path / "e2e.json"
+    bench_e2e.main(["--device", "cpu", "--preset", "tiny-m3-fp8", "--prefill", "15", "--decode-batch", "3",
+                    "--context", "32", "--variants", "torch-grouped", "minimax", "--repeats", "1", "--warmup", "0",
+                    "--json", str(out)])
+    for row in json.loads(out.read_text())["rows"]:
+        assert isinstance(row["minimax_flipped_tokens"], int) and row["minimax_flipped_tokens"] >= 0
+        assert row["minimax_rel_err_unflipped"] <= row["minimax_rel_err"]
+        assert "torch-grouped_flipped_tokens" not in row  # its MoE is not our op: not watched
+
+
 def test_a_kernel_variant_runs_every_call_with_its_switch(monkeypatch):
     import minimax_backend.graph_passes as gp
     from minimax_backend.kernels.options import kernel_options

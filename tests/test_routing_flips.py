@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from minimax_backend.kernels.moe_probe import RouterCall, watch_router_inputs
-from minimax_backend.tools.routing_flips import eager_router_calls, errors_without, routing_flips, top_k_and_margin
+from minimax_backend.tools.routing_flips import (eager_router_calls, errors_without, logit_rows, routing_flips,
+                                                 top_k_and_margin)
 
 
 def _call(x, w, bias=None, k=2):
@@ -55,6 +56,14 @@ def test_errors_without_leaves_out_the_named_tokens():
     other[0, 4, 2] = 0.1  # token 4: 0.01
     assert errors_without(ref, other, [])["max_rel_err"] == pytest.approx(0.4)
     assert errors_without(ref, other, [2])["max_rel_err"] == pytest.approx(0.01)
+
+
+def test_logit_rows_map_tokens_to_the_rows_kept():
+    assert logit_rows([3, 9], 12, 12, 1) == [3, 9]  # every position kept
+    assert logit_rows([3, 11], 12, 1, 1) == [0]  # the last position of one sequence
+    assert logit_rows([5, 6, 11], 12, 2, 2) == [0, 1]  # two sequences of 6: their last positions
+    with pytest.raises(ValueError, match="logits rows"):
+        logit_rows([1], 12, 5, 1)
 
 
 def test_a_run_without_the_ops_or_with_other_rows_is_refused():

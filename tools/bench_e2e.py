@@ -56,7 +56,9 @@ issued behind a busy GPU, so only its GPU work and the gaps between its
 kernels count); --profile adds the kernel time and launches per call. Every
 variant's logits are compared with eager's (each token's largest
 |difference| over the largest logit: the worst token, the median one, the 90th
-percentile; argmax agreement). --sustained SECONDS (one GPU) also runs each
+percentile; argmax agreement) and, at one rank, for the variants that run our MoE op, the
+tokens whose routing differs from eager's in some layer (a near-tie that rounding tipped:
+tools/routing_flips.py) and the largest error without them. --sustained SECONDS (one GPU) also runs each
 compiled variant back to back for that long, with the SM clock and board power
 nvidia-smi reads meanwhile (tools/gpu_power.py): a server under load keeps the
 card at its power limit, where a single call's timing does not. Rank 0 prints one
@@ -195,6 +197,8 @@ def job(rank: int, world: int, args) -> None:
                                                     interleaved_median_ms, kernel_profile, sustained_ms, top_kernels,
                                                     write_json)
     from minimax_backend.tools.gpu_power import sampler_for
+    from minimax_backend.kernels.moe_probe import watch_router_inputs
+    from minimax_backend.tools.routing_flips import eager_router_calls, errors_without, logit_rows, routing_flips
     from minimax_backend.tools.run_job import compare_logits, sync_device
 
     for name in ("recompile_limit", "cache_size_limit"):
@@ -264,16 +268,23 @@ def job(rank: int, world: int, args) -> None:
             ids, pos = _inputs(work, config, device, args.context)
             kw = {"logits_to_keep": 1} if work["kind"] == "prefill" and args.prefill_logits == "last" else {}
             row = {"workload": work["kind"], "tokens": work["tokens"], "batch": work["batch"]}
-            reference = None
+            reference, eager_calls = None, []
             for name, fn in variants.items():  # compile (the first call) and compare with eager
                 n_reports = len(compile_reports())
                 sync_device(device)
                 t0 = time.perf_counter()
+                moe_calls = []
+                watch = watch_router_inputs() if world == 1 and name != "eager" else contextlib.nullcontext([])
                 if name == "eager" and work["kind"] == "decode":  # count the experts the step reads (floor)
-                    out, row["experts_touched"] = _experts_touched(model, lambda: fn(ids, pos, **kw))
+                    (eager_calls, out), row["experts_touched"] = _experts_touched(
+                        model, lambda: eager_router_calls(fn, ids, pos, **kw))
+                    out = _logits(out)
+                elif name == "eager":
+                    eager_calls, out = eager_router_calls(fn, ids, pos, **kw)
                     out = _logits(out)
                 else:
-                    out = _logits(fn(ids, pos, **kw))
+                    with watch as moe_calls:  # the first call runs the ops: which tokens routed otherwise
+                        out = _logits(fn(ids, pos, **kw))
                 sync_device(device)
                 first = time.perf_counter() - t0
                 row[f"{name}_first_call_s"] = first
@@ -286,6 +297,13 @@ def job(rank: int, world: int, args) -> None:
                         row[f"{name}_{col}"] = num[key]
                     extra = (f", rel err {num['max_rel_err']:.2e} (token median {num['median_token_rel_err']:.1e}), "
                              f"argmax {num['argmax_agreement']:.3f}")
+                    if moe_calls and eager_calls:
+                        flips = routing_flips(eager_calls, moe_calls)
+                        rows_flipped = logit_rows(flips.tokens, eager_calls[0].x.shape[0],
+                                                  reference.reshape(-1, reference.shape[-1]).shape[0], work["batch"])
+                        row[f"{name}_flipped_tokens"] = len(flips.tokens)
+                        row[f"{name}_rel_err_unflipped"] = errors_without(reference, out, rows_flipped)["max_rel_err"]
+                        extra += f", {len(flips.tokens)} token(s) routed otherwise than eager"
                 del out
                 new = compile_reports()[n_reports:]
                 if new:
@@ -400,7 +418,8 @@ def _tables(rows, variants) -> None:
         if len(sustained_cols) > 1:
             print_table(part, sustained_cols, title=f"{kind}: each variant back to back (the card at its power "
                                                     "limit): median ms, SM clock, board power")
-        err_cols = [key] + [c for c in part[0] if c.endswith(tuple("_" + col for col in _NUMERICS.values()))]
+        err_cols = [key] + [c for c in part[0] if c.endswith(tuple("_" + col for col in _NUMERICS.values())
+                                                               + ("_flipped_tokens", "_rel_err_unflipped"))]
         print_table(part, err_cols, title=f"{kind}: logits vs eager (max |diff| per token / largest logit: "
                                           "the worst token, the median token, the 90th percentile; argmax agreement)")
         for r in part:

@@ -23,7 +23,8 @@ import torch
 
 from minimax_backend.kernels.moe_probe import RouterCall
 
-__all__ = ["RoutingFlips", "eager_router_calls", "routing_flips", "top_k_and_margin", "errors_without"]
+__all__ = ["RoutingFlips", "eager_router_calls", "routing_flips", "top_k_and_margin", "logit_rows",
+           "errors_without"]
 
 
 def top_k_and_margin(call: RouterCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,7 +41,7 @@ def top_k_and_margin(call: RouterCall) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, top.values[:, k - 1] - top.values[:, k]
 
 
-def eager_router_calls(model: torch.nn.Module, *args) -> tuple[list[RouterCall], object]:
+def eager_router_calls(model: torch.nn.Module, *args, **kwargs) -> tuple[list[RouterCall], object]:
     """Run the eager model once and record each MoE block's input: (calls, the model's output)."""
     from minimax_backend.model.moe import MoE
 
@@ -53,7 +54,7 @@ def eager_router_calls(model: torch.nn.Module, *args) -> tuple[list[RouterCall],
     handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, MoE)]
     try:
         with torch.no_grad():
-            out = model(*args)
+            out = model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -89,6 +90,18 @@ def routing_flips(eager: list[RouterCall], other: list[RouterCall]) -> RoutingFl
         min_margin = min(min_margin, float(margin.min()))
         layers.append({"layer": i, "tokens": rows, "eager_margins": [float(margin[r]) for r in rows]})
     return RoutingFlips(sorted(flipped), layers, min_margin)
+
+
+def logit_rows(tokens: list[int], num_tokens: int, num_rows: int, sequences: int) -> list[int]:
+    """The rows of a [rows, vocab] logits tensor that belong to `tokens` (indices into the
+    num_tokens rows the MoE saw): every row when the model kept every position, else the last
+    position of each of the `sequences` sequences (a prefill that keeps only the last logits)."""
+    if num_rows == num_tokens:
+        return list(tokens)
+    if num_rows != sequences or num_tokens % sequences:
+        raise ValueError(f"logit_rows: {num_rows} logits rows for {num_tokens} tokens in {sequences} sequence(s)")
+    per_seq = num_tokens // sequences
+    return [t // per_seq for t in tokens if t % per_seq == per_seq - 1]
 
 
 def errors_without(reference: torch.Tensor, other: torch.Tensor, tokens: list[int]) -> dict[str, float]:
