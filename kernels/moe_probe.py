@@ -10,7 +10,8 @@ that token's output far more than rounding does (docs/measurements/2026-12-05.md
 tools/routing_flips.py compares these inputs' top-k with eager's to name such tokens. The ops'
 implementations (the reference here and on the CPU, kernels/moe_triton.py's CUDA kernel) report
 every call they run; a CUDA graph's replay runs no Python, so only calls that execute the
-implementation (the first call of a compiled model, a run without CUDA graphs) are seen.
+implementation outside a capture (the warm-up run in the first call of a compiled model, a run
+without CUDA graphs) are seen.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def notify(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: Option
     """Called by the ops' implementations first thing; nothing to do unless a watch is open."""
     if not _WATCHERS:
         return
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # a copy made now would become part of the CUDA graph, replayed on every call
     call = RouterCall(x.detach().clone(), router_weight, correction_bias, int(top_k))
     for calls in _WATCHERS:
         calls.append(call)
