@@ -82,7 +82,7 @@ def routing_flips(eager: list[RouterCall], other: list[RouterCall]) -> RoutingFl
     for i, (e, o) in enumerate(zip(eager, other)):
         if e.x.shape != o.x.shape:
             raise ValueError(f"routing_flips: layer {i}: eager's MoE input is {tuple(e.x.shape)}, the other "
-                             f"run's {tuple(o.x.shape)} (one rank, the whole token stream is needed)")
+                             f"run's {tuple(o.x.shape)}: the same token rows are needed (one rank, no padding)")
         e_ids, margin = top_k_and_margin(e)
         o_ids, _ = top_k_and_margin(o)
         rows = (e_ids != o_ids.to(e_ids.device)).any(dim=-1).nonzero().flatten().tolist()
