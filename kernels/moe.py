@@ -58,6 +58,7 @@ import torch
 
 from .moe_parallel import mega_moe_out_rows, mega_moe_reference
 from .moe_probe import notify as _notify_router_inputs
+from .moe_probe import watching as _watching_router_inputs
 from .moe_reference import moe_reference
 
 __all__ = ["moe", "mega_moe", "MOE_ARGS", "MEGA_MOE_ARGS", "block_op_args", "flops"]
@@ -79,7 +80,8 @@ MEGA_MOE_ARGS = (MOE_ARGS + ", str group_name, int group_size, bool input_sharde
 
 @torch.library.custom_op("minimax::moe", mutates_args=(), schema=f"({MOE_ARGS}) -> Tensor")
 def moe(*args) -> torch.Tensor:
-    _notify_router_inputs(args[0], args[1], args[2], args[11])
+    if _watching_router_inputs():
+        _notify_router_inputs(args[0], args[1], args[2], args[11])
     return moe_reference(*args)
 
 
@@ -90,7 +92,8 @@ def _moe_fake(x, *rest):
 
 @torch.library.custom_op("minimax::mega_moe", mutates_args=(), schema=f"({MEGA_MOE_ARGS}) -> Tensor")
 def mega_moe(*args) -> torch.Tensor:
-    _notify_router_inputs(args[0], args[1], args[2], args[11])
+    if _watching_router_inputs():
+        _notify_router_inputs(args[0], args[1], args[2], args[11])
     return mega_moe_reference(*args)
 
 

@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["RouterCall", "watch_router_inputs", "notify"]
+__all__ = ["RouterCall", "watch_router_inputs", "watching", "notify"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,11 @@ def watch_router_inputs() -> Iterator[list[RouterCall]]:
         yield calls
     finally:  # by identity: two watches' lists may hold the same calls
         del _WATCHERS[next(i for i, c in enumerate(_WATCHERS) if c is calls)]
+
+
+def watching() -> bool:
+    """Whether a watch is open (the ops check this first, before reading their arguments)."""
+    return bool(_WATCHERS)
 
 
 def notify(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: Optional[torch.Tensor],

@@ -77,6 +77,7 @@ from .moe_align_triton import align_with_triton
 from .moe_expert_groups import expert_group_table
 from .moe_parallel import mega_moe_reference
 from .moe_probe import notify as notify_router_inputs
+from .moe_probe import watching as watching_router_inputs
 from .moe_quant_scatter import quantize_scatter_fp8
 from .moe_reference import MoEWeights, gated_mlp, local_experts_reference, moe_reference
 from .moe_route_triton import route_fits, route_mode, route_triton
@@ -924,7 +925,8 @@ def _gpu_path(reference):
     to compare on the GPU); without Triton the reference runs on CUDA too."""
 
     def impl(x, *args):
-        notify_router_inputs(x, args[0], args[1], args[10])
+        if watching_router_inputs():
+            notify_router_inputs(x, args[0], args[1], args[10])
         if kernel_options().moe_kernel == "reference" or not HAVE_TRITON:
             return reference(x, *args)
         return reference(x, *args, experts=triton_experts, weights_cls=TritonMoEWeights)
