@@ -40,11 +40,18 @@ __all__ = [
 ACTIVATIONS = ("swigluoai", "silu")
 
 
+def router_scores(x: torch.Tensor, router_weight: torch.Tensor,
+                  correction_bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, choice) float32 [T, E]: the sigmoid of the float32 logits, and the scores plus the
+    correction bias that the top-k is taken of."""
+    scores = torch.sigmoid(F.linear(x.float(), router_weight.float()))
+    return scores, (scores + correction_bias.float() if correction_bias is not None else scores)
+
+
 def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: Optional[torch.Tensor], top_k: int,
           norm_topk_prob: bool, routed_scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_ids int64 [T, k], topk_weights float32 [T, k]), exactly as model/moe.py."""
-    scores = torch.sigmoid(F.linear(x.float(), router_weight.float()))
-    choice = scores + correction_bias.float() if correction_bias is not None else scores
+    scores, choice = router_scores(x, router_weight, correction_bias)
     ids = torch.topk(choice, top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if norm_topk_prob:

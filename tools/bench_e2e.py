@@ -274,7 +274,6 @@ def job(rank: int, world: int, args) -> None:
                 sync_device(device)
                 t0 = time.perf_counter()
                 moe_calls = []
-                watch = watch_router_inputs() if world == 1 and name != "eager" else contextlib.nullcontext([])
                 if name == "eager" and work["kind"] == "decode":  # count the experts the step reads (floor)
                     (eager_calls, out), row["experts_touched"] = _experts_touched(
                         model, lambda: eager_router_calls(fn, ids, pos, **kw))
@@ -283,6 +282,7 @@ def job(rank: int, world: int, args) -> None:
                     eager_calls, out = eager_router_calls(fn, ids, pos, **kw)
                     out = _logits(out)
                 else:
+                    watch = watch_router_inputs() if world == 1 else contextlib.nullcontext([])
                     with watch as moe_calls:  # the first call runs the ops: which tokens routed otherwise
                         out = _logits(fn(ids, pos, **kw))
                 sync_device(device)

@@ -4,7 +4,7 @@
     with watch_router_inputs() as compiled:                     # kernels/moe_probe.py
         out = compiled_model(ids, positions)                    # a call that runs the ops (not a replay)
     report = routing_flips(eager, compiled)
-    report.tokens, report.layers, report.margins
+    report.tokens, report.layers, report.min_margin
 
 In BF16 or FP8 two correct implementations round differently, and a token whose k-th and
 (k+1)-th expert choices are nearly tied (the router's sigmoid scores 2.5e-4 apart, say) picks
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minimax_backend.kernels.moe_probe import RouterCall
+from minimax_backend.kernels.moe_reference import router_scores
 
 __all__ = ["RoutingFlips", "eager_router_calls", "routing_flips", "top_k_and_margin", "logit_rows",
            "errors_without"]
@@ -29,9 +30,8 @@ __all__ = ["RoutingFlips", "eager_router_calls", "routing_flips", "top_k_and_mar
 
 def top_k_and_margin(call: RouterCall) -> tuple[torch.Tensor, torch.Tensor]:
     """(the chosen experts per token, ascending [T, k]; the gap between the k-th and (k+1)-th
-    choice [T]) with the model's router math (kernels/moe_reference.py:route)."""
-    scores = torch.sigmoid(torch.nn.functional.linear(call.x.float(), call.router_weight.float()))
-    choice = scores + call.correction_bias.float() if call.correction_bias is not None else scores
+    choice [T]) with the model's router math (kernels/moe_reference.py:router_scores)."""
+    _, choice = router_scores(call.x, call.router_weight, call.correction_bias)
     k = call.top_k
     if k >= choice.shape[-1]:  # every expert taken: nothing can flip
         ids = torch.arange(choice.shape[-1], device=choice.device).expand(choice.shape[0], -1)
