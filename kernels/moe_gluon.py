@@ -33,7 +33,9 @@ and the default there (kernel option moe_gemm=auto; moe_triton.TRIO_MIN_ROWS_PER
 down_trio is the down GEMM over the same blocks, warp-specialized the same way (three groups of
 64 rows on one [128, 128] weight tile per K step), with the Triton down kernel's epilogue (bf16,
 times the routing weight, bf16): 12% faster than the Triton kernel at 8192 tokens, even at 16384
-(kernel option moe_down=auto follows the 192-row gate/up).
+(kernel option moe_down=auto follows the 192-row gate/up). Each down program covers three
+128-column tiles one after the other (DOWN_TRIO_COL_TILES), the producer loading the next tile's
+stages while the consumers store the last: another 17-20% off the down kernel at 8192-16384 tokens.
 
 FP8 only, routed and shared experts of one width. The output equals the Triton kernel's bit for
 bit (the same float32 products summed in the same order: tests/test_moe_triton.py).
@@ -140,16 +142,18 @@ if HAVE_GLUON:
             _tma_load(b_desc, [b1_row, ki * BK], bar, b1_smem.index(s))
 
     @gluon.jit
-    def _ws_product(a_smem, b_smem, ready, empty, a_scales, b_scales, n_steps, STAGES: gl.constexpr,
+    def _ws_product(a_smem, b_smem, ready, empty, a_scales, b_scales, n_steps, it0, STAGES: gl.constexpr,
                     layout: gl.constexpr):
-        """This warp group's [64, 128] tile over the K steps: each step's product times its block scales."""
+        """This warp group's [64, 128] tile over the K steps: each step's product times its block scales.
+        it0: the ring's iteration of the first step (earlier tiles of the program took it0 stages)."""
         acc = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
         p = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
         for ki in range(n_steps):
-            s = ki % STAGES
+            it = it0 + ki
+            s = it % STAGES
             sa = gl.load(a_scales + ki)
             sb = gl.load(b_scales + ki)
-            mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             p = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
             p = warpgroup_mma_wait(0, deps=(p, ))
             mbarrier.arrive(empty.index(s), count=1)
@@ -163,7 +167,7 @@ if HAVE_GLUON:
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
         rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         acc = _ws_product(a_smem, b_smem, ready, empty, xs_ptr + rows.to(gl.int64) * (K // 128),
-                          ws + (w_row // 128) * (K // 128), n_steps, STAGES, layout)
+                          ws + (w_row // 128) * (K // 128), n_steps, 0, STAGES, layout)
         v = acc.to(gl.bfloat16)  # the eager MLP rounds gate/up to bf16 first
         if IS_UP:  # hand the up tile to the gate group, which finishes the tile
             epi_smem.store(v)
@@ -408,43 +412,50 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _down_trio_producer(h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                            STAGES: gl.constexpr):
-        """The producer warp: each K step's three 64-row tiles of h and the [128, 128] weight tile."""
+                            STAGES: gl.constexpr, COL_TILES: gl.constexpr):
+        """The producer warp: for each of the program's column tiles and each K step, the three 64-row
+        tiles of h and the [128, 128] weight tile. It runs on into the next column tile while the
+        consumers store the last one, so only the program's first tile waits for the ring to fill."""
         BK: gl.constexpr = 128
         nbytes: gl.constexpr = 3 * h_desc.block_type.nbytes + w_desc.block_type.nbytes
-        for ki in range(n_steps):
-            s = _trio_rows_into_stage(h_desc, a0_smem, a1_smem, a2_smem, ready, empty, ki, off_m, ki * BK, nbytes,
-                                      STAGES)
-            _tma_load(w_desc, [off_n, ki * BK], ready.index(s), b_smem.index(s))
+        for j in range(COL_TILES):
+            for ki in range(n_steps):
+                s = _trio_rows_into_stage(h_desc, a0_smem, a1_smem, a2_smem, ready, empty, j * n_steps + ki, off_m,
+                                          ki * BK, nbytes, STAGES)
+                _tma_load(w_desc, [off_n + 128 * j, ki * BK], ready.index(s), b_smem.index(s))
 
     @gluon.jit
     def _down_trio_consumer(a_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m, off_n,
-                            n_steps, live, N_OUT: gl.constexpr, K: gl.constexpr, STAGES: gl.constexpr):
-        """One warp group's [64, 128] tile of y: the products scaled per K step as the Triton down
-        kernel does, rounded to bf16, times the pair's routing weight, rounded again; padding rows
-        are not stored. A group whose rows are all padding only releases the stages."""
+                            n_steps, live, N_OUT: gl.constexpr, K: gl.constexpr, STAGES: gl.constexpr,
+                            COL_TILES: gl.constexpr):
+        """One warp group's [64, 128] tiles of y, one per column tile: the products scaled per K step as
+        the Triton down kernel does, rounded to bf16, times the pair's routing weight, rounded again;
+        padding rows are not stored. A group whose rows are all padding only releases the stages."""
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
         if live:
             rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-            acc = _ws_product(a_smem, b_smem, ready, empty, hs_ptr + rows.to(gl.int64) * (K // 128),
-                              ws + (off_n // 128) * (K // 128), n_steps, STAGES, layout)
             pair = gl.load(sorted_pair + rows)
             valid = pair >= 0
             wt = gl.load(topk_w + gl.where(valid, pair, 0), mask=valid, other=0.0)
-            y = acc.to(gl.bfloat16).to(gl.float32) * wt[:, None]
-            cols = off_n + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
-            mask = valid[:, None] & (cols < N_OUT)[None, :]
-            gl.store(y_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], y.to(gl.bfloat16), mask=mask)
+            for j in range(COL_TILES):
+                col0 = off_n + 128 * j
+                acc = _ws_product(a_smem, b_smem, ready, empty, hs_ptr + rows.to(gl.int64) * (K // 128),
+                                  ws + (col0 // 128) * (K // 128), n_steps, j * n_steps, STAGES, layout)
+                y = acc.to(gl.bfloat16).to(gl.float32) * wt[:, None]
+                cols = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+                mask = valid[:, None] & (cols < N_OUT)[None, :]
+                gl.store(y_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], y.to(gl.bfloat16), mask=mask)
         else:
-            _release_stages(ready, empty, n_steps, STAGES)
+            _release_stages(ready, empty, COL_TILES * n_steps, STAGES)
 
     @gluon.jit
     def _down_trio_kernel(h_ptr, hs_ptr, w_table, ws_table, block_expert, sorted_pair, topk_w, y_ptr, rows_total,
                           n_local, num_m_blocks, num_n_tiles, N_OUT: gl.constexpr, K: gl.constexpr,
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
-        """y of one [192, 128] tile: warp groups 0, 1, 2 rows 0-63, 64-127, 128-191 of the block,
-        all from the same [128, 128] tiles of the expert's down weight."""
+                          PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, COL_TILES: gl.constexpr = 1):
+        """y of one [192, 128 * COL_TILES] tile (num_n_tiles counts those): warp groups 0, 1, 2 rows
+        0-63, 64-127, 128-191 of the block, all from the same [128, 128] tiles of the expert's down
+        weight, one 128-column tile after the other."""
         BK: gl.constexpr = 128
         pid_n, off_m, n_steps, active, second, third, w, ws = _trio_block(
             block_expert, sorted_pair, w_table, ws_table, n_local, num_m_blocks, num_n_tiles, K, GROUP_M)
@@ -455,17 +466,23 @@ if HAVE_GLUON:
                                             layout=smem_layout)
         a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout)
         ready, empty = _trio_barriers(STAGES)
-        off_n = pid_n * 128
+        off_n = pid_n * 128 * COL_TILES
         gl.warp_specialize([
             (_down_trio_consumer, (a0_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m, off_n,
-                                   n_steps, active, N_OUT, K, STAGES)),
+                                   n_steps, active, N_OUT, K, STAGES, COL_TILES)),
             (_down_trio_consumer, (a1_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m + 64,
-                                   off_n, n_steps, second, N_OUT, K, STAGES)),
+                                   off_n, n_steps, second, N_OUT, K, STAGES, COL_TILES)),
             (_down_trio_consumer, (a2_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m + 128,
-                                   off_n, n_steps, third, N_OUT, K, STAGES)),
+                                   off_n, n_steps, third, N_OUT, K, STAGES, COL_TILES)),
             (_down_trio_producer, (h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n,
-                                   n_steps, STAGES)),
+                                   n_steps, STAGES, COL_TILES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
+def col_tiles_per_program(n_tiles: int, most: int) -> int:
+    """128-column tiles per program: the largest divisor of n_tiles up to `most`, so every program
+    covers whole tiles of the output."""
+    return max(c for c in range(1, max(most, 1) + 1) if n_tiles % c == 0)
 
 
 # Launch config, measured on one H200 (docs/kernel-notes.md#moe-in-gluon): the alignment's
@@ -529,6 +546,10 @@ def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor,
 
 # The down GEMM over the 192-row blocks (down_trio): no epilogue buffers, so 4 stages of 40 KB.
 DOWN_TRIO_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 168, "PRODUCER_REGS": 24}
+# Column tiles of 128 per down program, one after the other through the same stage ring: K is
+# only 24 steps at M3's width, so a program of one tile spent a large part of its time filling
+# the ring and storing; 3 measured best on one H200 (docs/kernel-notes.md#moe-down-column-tiles).
+DOWN_TRIO_COL_TILES = 3
 
 
 def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table: torch.Tensor,
@@ -544,8 +565,10 @@ def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table
                          f"({sorted_pair.numel()} sorted rows), n_out {n_out}, K {k} (whole blocks and 128-wide tiles needed)")
     _ensure_allocator()
     y = torch.empty(rows, n_out, dtype=torch.bfloat16, device=h.device)
-    n_tiles = n_out // 128
-    _down_trio_kernel[(num_m * n_tiles,)](
-        h, hs, w_table, ws_table, block_expert, sorted_pair, topk_w, y, rows, n_local, num_m, n_tiles,
-        N_OUT=n_out, K=k, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, **DOWN_TRIO_CONFIG)
+    col_tiles = col_tiles_per_program(n_out // 128, DOWN_TRIO_COL_TILES)
+    n_groups = n_out // 128 // col_tiles
+    _down_trio_kernel[(num_m * n_groups,)](
+        h, hs, w_table, ws_table, block_expert, sorted_pair, topk_w, y, rows, n_local, num_m, n_groups,
+        N_OUT=n_out, K=k, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, COL_TILES=col_tiles,
+        **DOWN_TRIO_CONFIG)
     return y

@@ -1089,6 +1089,19 @@ def test_gluon_entry_points_name_a_layout_they_cannot_take():
     with pytest.raises(ValueError, match="n_out 300"):
         mg.down_trio(h, hs, table, table, blocks, torch.zeros(192, dtype=i32), tw, 1, 2, 300, 4)
 
+
+def test_down_programs_cover_whole_column_tiles():
+    """The Gluon down's column tiles per program divide the output's tiles (M3: 48 of 128 columns),
+    so no program runs past the output or leaves columns unwritten: the largest divisor up to the
+    setting."""
+    import minimax_backend.kernels.moe_gluon as mg
+
+    assert [mg.col_tiles_per_program(48, most) for most in (1, 2, 3, 4, 5, 6, 7, 8)] == [1, 2, 3, 4, 4, 6, 6, 8]
+    assert [mg.col_tiles_per_program(2, most) for most in (1, 2, 4)] == [1, 2, 2]
+    assert mg.col_tiles_per_program(7, 6) == 1  # a prime count of tiles: one per program
+    assert mg.col_tiles_per_program(48, 0) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [999, 1000])  # the FP8 prefill tiles (BLOCK_M 64), an odd count
 @pytest.mark.parametrize("gemm", ["gluon", "gluon192"])
@@ -1120,15 +1133,18 @@ def test_gpu_gluon_gate_up_against_cpu_reference(tokens, gemm, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_gate_up_equals_the_triton_kernel_bit_for_bit():
+@pytest.mark.parametrize("down_col_tiles", [1, 2])
+def test_gpu_gluon_gate_up_equals_the_triton_kernel_bit_for_bit(down_col_tiles, monkeypatch):
     """The Gluon kernel sums the same float32 products in the same order as the Triton loop (per K
     step: the product, times the activation and weight block scales), so the layer's output is the
-    same bits, with a crowded expert and an idle one."""
+    same bits, with a crowded expert and an idle one; the Gluon down too, with one or two 128-column
+    tiles per program (the tiny width has two)."""
     import minimax_backend.kernels.moe_gluon as mg
     import minimax_backend.kernels.moe_triton as kt
 
     if not mg.gluon_available(torch.device("cuda")):
         pytest.skip("needs triton's Gluon and an sm_90 GPU")
+    monkeypatch.setattr(mg, "DOWN_TRIO_COL_TILES", down_col_tiles)
     w = R.MoEWeights(*_cuda(K.block_op_args(_block(tiny_m3_clamping, torch.bfloat16, True))))
     x = torch.randn(1001, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16).cuda()
     ids, tw = w.route(x)

@@ -329,13 +329,14 @@ def test_moe_gluon_192_row_down_compiles_warp_specialized_without_spills(tmp_pat
 
     if not mg.HAVE_GLUON:
         pytest.skip(f"triton {triton.__version__} has no Gluon")
-    for group_m in (4, -1):
+    for group_m, col_tiles in ((4, 1), (-1, 1), (-1, mg.col_tiles_per_program(48, mg.DOWN_TRIO_COL_TILES)), (4, 8)):
         kernel = compiled_gluon_sm90(mg._down_trio_kernel, GLUON_DOWN_TRIO_SIG,
-                                     dict(N_OUT=6144, K=3072, GROUP_M=group_m, num_warps=4, **mg.DOWN_TRIO_CONFIG), 4)
+                                     dict(N_OUT=6144, K=3072, GROUP_M=group_m, num_warps=4, COL_TILES=col_tiles,
+                                          **mg.DOWN_TRIO_CONFIG), 4)
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
         assert kernel.metadata.shared <= H200_SHARED_BYTES
-        assert local_memory_bytes(kernel, tmp_path) == 0, group_m
+        assert local_memory_bytes(kernel, tmp_path) == 0, (group_m, col_tiles)
 
 
 def test_moe_route_and_alignment_kernels_compile(moe):
