@@ -43,7 +43,7 @@ if HAVE_TRITON:
     def _quantize_scatter_kernel(x_ptr, pair_row, sorted_pair, q_ptr, s_ptr, T, rows, n_groups,
                                  stride_x, stride_q, stride_s,
                                  SLOTS: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, ZR: tl.constexpr,
-                                 ZC: tl.constexpr):
+                                 ZC: tl.constexpr, SKIP_DEAD: tl.constexpr = False):
         pid = tl.program_id(0)
         if pid < T:  # a token: its row quantized once, stored at each pair's sorted row
             token = pid.to(tl.int64)
@@ -62,6 +62,9 @@ if HAVE_TRITON:
         else:  # a block of sorted rows: zeros in its padding rows
             r = (pid - T) * ZR + tl.arange(0, ZR)
             pad = (tl.load(sorted_pair + r, mask=r < rows, other=0) < 0) & (r < rows)
+            if SKIP_DEAD:  # a group of ZR rows that starts with padding is all padding: no GEMM reads it
+                first = tl.load(sorted_pair + (pid - T) * ZR)
+                pad = pad & ((r * 0 + first) >= 0)  # the interpreter rejects a scalar & tile mask
             if tl.max(pad.to(tl.int32), axis=0) > 0:
                 r64 = r.to(tl.int64)
                 zeros = tl.zeros((ZR, ZC), tl.float32).to(q_ptr.dtype.element_ty)
@@ -82,10 +85,16 @@ def _outputs(rows: int, k: int, device: torch.device) -> tuple[torch.Tensor, tor
 
 
 def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: torch.Tensor, rows: int,
-                         slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         slots: int, skip_padding_groups: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] (bf16 / fp16, K a multiple of 128) -> (xg [rows, K] FP8, xsg [rows, K / 128] float32):
     token t's quantized row at sorted row pair_row[t * slots + j] for each slot j (skipped where -1),
-    zeros where sorted_pair[:rows] is -1 (padding)."""
+    zeros where sorted_pair[:rows] is -1 (padding).
+
+    skip_padding_groups: the caller's promise that the layout is the alignment's (each expert's run
+    starts on a 64-row boundary, its rows before its padding), so a group of 64 rows that starts with
+    padding is all padding; such groups are left unwritten. The Gluon GEMMs never read them (a
+    192-row block's 64-row groups without rows are skipped), and at 8192 tokens they are ~38% of
+    the sorted rows: zeroing them took a quarter of this kernel (docs/kernel-notes.md#moe-quantize-scatter-padding)."""
     t, k = x.shape
     if k % GROUP:
         raise ValueError(f"quantize_scatter_fp8: width {k} is not a multiple of {GROUP}")
@@ -100,5 +109,6 @@ def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: t
         return xg, xsg
     _quantize_scatter_kernel[(t + triton.cdiv(rows, ZERO_ROWS),)](
         x, pair_row, sorted_pair, xg, xsg, t, rows, k // GROUP, x.stride(0), xg.stride(0), xsg.stride(0),
-        SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS, num_warps=4)
+        SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS, SKIP_DEAD=skip_padding_groups,
+        num_warps=4)
     return xg, xsg

@@ -724,7 +724,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if gluon:
         # Hopper, FP8 prefill: the warp-specialized Gluon gate/up kernel (kernels/moe_gluon.py) loads
         # whole tiles by TMA, which cannot gather rows: x quantized straight into the sorted order
-        xq, xs = quantize_scatter_fp8(x, al.pair_row, al.sorted_pair, rows, k)
+        xq, xs = quantize_scatter_fp8(x, al.pair_row, al.sorted_pair, rows, k, skip_padding_groups=True)
     elif fp8:
         # one Triton kernel on the GPU (bit-equal to the reference, tests/test_norm_quant_gpu.py)
         # instead of the reference's ~10 elementwise kernels: at decode sizes launches dominate

@@ -70,6 +70,50 @@ def test_equals_quantize_then_gather_bit_for_bit(monkeypatch, tokens, width, slo
     assert (xg.view(torch.uint8)[sorted_pair[:rows] < 0] == 0).all()
 
 
+def _aligned_layout(tokens: int, slots: int, run: int, seed: int):
+    """The alignment's layout: each expert's pairs first in its run, the run padded to `run` rows
+    (a multiple of 64), so some 64-row groups hold only padding."""
+    g = torch.Generator().manual_seed(seed)
+    pairs = tokens * slots
+    expert = torch.randint(0, 4, (pairs,), generator=g)
+    pair_row = torch.empty(pairs, dtype=torch.int32)
+    sorted_pair, start = [], 0
+    for e in range(4):
+        mine = (expert == e).nonzero().flatten()
+        size = -(-max(len(mine), 1) // run) * run
+        pair_row[mine] = torch.arange(start, start + len(mine), dtype=torch.int32)
+        sorted_pair += mine.tolist() + [-1] * (size - len(mine))
+        start += size
+    return pair_row, torch.tensor(sorted_pair, dtype=torch.int32), start
+
+
+@in_child
+@pytest.mark.parametrize("tokens,slots,run", [(70, 3, 192), (9, 5, 64), (100, 2, 192)])
+def test_padding_groups_are_left_alone_only_when_asked(monkeypatch, tokens, slots, run):
+    """skip_padding_groups: the 64-row groups that start with padding (all padding in the
+    alignment's layout) keep what the memory held; every row of the other groups is as without it,
+    its padding rows zeros."""
+    from minimax_backend.kernels import moe_quant_scatter
+    from minimax_backend.kernels.norm_quant_triton import quantize_fp8_triton
+
+    monkeypatch.setattr(moe_quant_scatter, "_outputs", _garbage_outputs)
+    g = torch.Generator().manual_seed(tokens)
+    amp = torch.exp(torch.randn(tokens, 2, 1, generator=g) * 2)
+    x = (torch.randn(tokens, 2, 128, generator=g) * amp).reshape(tokens, 256).to(torch.bfloat16)
+    pair_row, sorted_pair, rows = _aligned_layout(tokens, slots, run, seed=tokens)
+    q, s = quantize_fp8_triton(x, 128)
+    want_q, want_s = _expected(q, s, pair_row, sorted_pair, rows, slots)
+    dead = (sorted_pair[:rows].reshape(-1, 64)[:, :1] < 0).expand(-1, 64).reshape(-1)
+    # the layout has padding in groups with rows, and (runs of 192) groups of padding only
+    assert (~dead & (sorted_pair[:rows] < 0)).any() and dead.any() == (run > 64)
+    xg, xsg = moe_quant_scatter.quantize_scatter_fp8(x, pair_row, sorted_pair, rows, slots, skip_padding_groups=True)
+    assert torch.equal(xg.view(torch.uint8)[~dead], want_q[~dead])
+    assert torch.equal(xsg[~dead], want_s[~dead])
+    assert (xg.view(torch.uint8)[dead] == 0x7F).all() and xsg[dead].isnan().all()  # not written
+    xg, xsg = moe_quant_scatter.quantize_scatter_fp8(x, pair_row, sorted_pair, rows, slots)
+    assert torch.equal(xg.view(torch.uint8), want_q) and torch.equal(xsg, want_s)  # without it: every row
+
+
 def test_bad_shapes_are_named():
     from minimax_backend.kernels.moe_quant_scatter import quantize_scatter_fp8
 

@@ -447,9 +447,10 @@ def test_tile_orders_compute_the_same_tiles(interp, case):
         assert torch.equal(out[group_m], out[0]), group_m
 
 
-def _scatter_by_torch(x, pair_row, sorted_pair, rows, slots):
+def _scatter_by_torch(x, pair_row, sorted_pair, rows, slots, skip_padding_groups=False):
     """quantize_scatter_fp8's output from the reference quantization and torch indexing (the
-    interpreter's FP8 conversion rounds some values wrongly; the Triton path quantizes by the reference)."""
+    interpreter's FP8 conversion rounds some values wrongly; the Triton path quantizes by the reference).
+    Every padding row zeros, whether or not the caller lets groups of them be skipped."""
     from minimax_backend.kernels.fp8 import FP8_DTYPE, quantize_fp8_reference
 
     q, s = quantize_fp8_reference(x, 128)
