@@ -11,7 +11,8 @@ per token quantizes its row (the math of norm_quant_triton.quant_groups, so the 
 scales equal quantize_fp8_triton's bit for bit) and stores it at the sorted row of each of the
 token's pairs (pair_row; -1 = an expert on another rank, skipped); one program per row block
 zeroes the block's padding rows (sorted_pair -1), so the GEMM reads zeros there, never stale
-memory.
+memory; blocks of padding only, which no GEMM reads, are left alone where the caller says the
+layout is the alignment's (skip_padding_groups).
 """
 
 from __future__ import annotations
