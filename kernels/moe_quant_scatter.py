@@ -44,7 +44,7 @@ if HAVE_TRITON:
     def _quantize_scatter_kernel(x_ptr, pair_row, sorted_pair, q_ptr, s_ptr, T, rows, n_groups,
                                  stride_x, stride_q, stride_s,
                                  SLOTS: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, ZR: tl.constexpr,
-                                 ZC: tl.constexpr, SKIP_DEAD: tl.constexpr = False):
+                                 ZC: tl.constexpr, SKIP_PADDING_GROUPS: tl.constexpr = False):
         pid = tl.program_id(0)
         if pid < T:  # a token: its row quantized once, stored at each pair's sorted row
             token = pid.to(tl.int64)
@@ -63,7 +63,7 @@ if HAVE_TRITON:
         else:  # a block of sorted rows: zeros in its padding rows
             r = (pid - T) * ZR + tl.arange(0, ZR)
             pad = (tl.load(sorted_pair + r, mask=r < rows, other=0) < 0) & (r < rows)
-            if SKIP_DEAD:  # a group of ZR rows that starts with padding is all padding: no GEMM reads it
+            if SKIP_PADDING_GROUPS:  # a group of ZR rows that starts with padding is all padding: no GEMM reads it
                 first = tl.load(sorted_pair + (pid - T) * ZR)
                 pad = pad & ((r * 0 + first) >= 0)  # the interpreter rejects a scalar & tile mask
             if tl.max(pad.to(tl.int32), axis=0) > 0:
@@ -94,8 +94,9 @@ def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: t
     skip_padding_groups: the caller's promise that the layout is the alignment's (each expert's run
     starts on a 64-row boundary, its rows before its padding), so a group of 64 rows that starts with
     padding is all padding; such groups are left unwritten. The Gluon GEMMs never read them (a
-    192-row block's 64-row groups without rows are skipped), and at 8192 tokens they are ~38% of
-    the sorted rows: zeroing them took a quarter of this kernel (docs/kernel-notes.md#moe-quantize-scatter-padding)."""
+    192-row block's 64-row groups without rows are skipped); at 8192 tokens padding is ~38% of the
+    sorted rows, most of it in such groups, and zeroing them took a quarter of this kernel
+    (docs/kernel-notes.md#moe-quantize-scatter-padding)."""
     t, k = x.shape
     if k % GROUP:
         raise ValueError(f"quantize_scatter_fp8: width {k} is not a multiple of {GROUP}")
@@ -110,6 +111,6 @@ def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: t
         return xg, xsg
     _quantize_scatter_kernel[(t + triton.cdiv(rows, ZERO_ROWS),)](
         x, pair_row, sorted_pair, xg, xsg, t, rows, k // GROUP, x.stride(0), xg.stride(0), xsg.stride(0),
-        SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS, SKIP_DEAD=skip_padding_groups,
+        SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS, SKIP_PADDING_GROUPS=skip_padding_groups,
         num_warps=4)
     return xg, xsg

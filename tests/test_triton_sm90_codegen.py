@@ -424,7 +424,7 @@ def test_moe_quantize_scatter_kernel_compiles_with_vector_stores():
     sig = {"x_ptr": "*bf16", "pair_row": "*i32", "sorted_pair": "*i32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32",
            "T": "i32", "rows": "i32", "n_groups": "i32", "stride_x": "i32", "stride_q": "i32", "stride_s": "i32"}
     consts = dict(SLOTS=5, G=mqs.GROUP, NG=mqs.CHUNK_GROUPS, ZR=mqs.ZERO_ROWS, ZC=mqs.ZERO_COLUMNS,
-                  SKIP_DEAD=True)  # as the Gluon path launches it
+                  SKIP_PADDING_GROUPS=True)  # as the Gluon path launches it
     ptx, _ = compile_sm90(mqs._quantize_scatter_kernel, sig, consts,
                           ["x_ptr", "pair_row", "sorted_pair", "q_ptr", "s_ptr", "stride_x", "stride_q"], num_warps=4)
     assert byte_loads(ptx) == 0
