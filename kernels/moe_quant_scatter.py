@@ -1,6 +1,7 @@
-"""The MoE's FP8 activations straight into the experts' sorted order: quantize once, store k times.
+"""The MoE's activations straight into the experts' sorted order: quantize once, store k times.
 
     xg, xsg = quantize_scatter_fp8(x, pair_row, sorted_pair, rows, slots)
+    xg = scatter_rows(x, pair_row, sorted_pair, rows, slots)      # BF16: the rows as they are
 
 The warp-specialized gate/up kernel (kernels/moe_gluon.py) loads its activation tiles by TMA,
 which cannot gather rows on Hopper, so its input must already be in the experts' sorted layout
@@ -12,7 +13,8 @@ scales equal quantize_fp8_triton's bit for bit) and stores it at the sorted row 
 token's pairs (pair_row; -1 = an expert on another rank, skipped); one program per row block
 zeroes the block's padding rows (sorted_pair -1), so the GEMM reads zeros there, never stale
 memory; blocks of padding only, which no GEMM reads, are left alone where the caller says the
-layout is the alignment's (skip_padding_groups).
+layout is the alignment's (skip_padding_groups). scatter_rows is the same kernel without the
+quantization, for the BF16 Gluon GEMMs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ try:  # optional: CPU installs without Triton never take the Gluon path that nee
 except ImportError:  # pragma: no cover
     HAVE_TRITON = False
 
-__all__ = ["quantize_scatter_fp8"]
+__all__ = ["quantize_scatter_fp8", "scatter_rows"]
 
 GROUP = 128  # the 1 x 128 activation quantization group
 CHUNK_GROUPS = 16  # groups per tile: 2048 values, three tiles for M3's 6144-wide rows
@@ -44,22 +46,27 @@ if HAVE_TRITON:
     def _quantize_scatter_kernel(x_ptr, pair_row, sorted_pair, q_ptr, s_ptr, T, rows, n_groups,
                                  stride_x, stride_q, stride_s,
                                  SLOTS: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, ZR: tl.constexpr,
-                                 ZC: tl.constexpr, SKIP_PADDING_GROUPS: tl.constexpr = False):
+                                 ZC: tl.constexpr, SKIP_PADDING_GROUPS: tl.constexpr = False,
+                                 QUANT: tl.constexpr = True):
         pid = tl.program_id(0)
         if pid < T:  # a token: its row quantized once, stored at each pair's sorted row
             token = pid.to(tl.int64)
             for g0 in range(0, n_groups, NG):
                 col = (g0 + tl.arange(0, NG))[:, None] * G + tl.arange(0, G)[None, :]
                 cmask = col < n_groups * G
-                y = tl.load(x_ptr + token * stride_x + col, mask=cmask, other=0.0).to(tl.float32)
-                q, scale = quant_groups(y)
-                q = q.to(q_ptr.dtype.element_ty)
+                y = tl.load(x_ptr + token * stride_x + col, mask=cmask, other=0.0)
+                if QUANT:
+                    q, scale = quant_groups(y.to(tl.float32))
+                    q = q.to(q_ptr.dtype.element_ty)
+                else:
+                    q = y.to(q_ptr.dtype.element_ty)
                 g = g0 + tl.arange(0, NG)
                 for j in tl.static_range(SLOTS):
                     r = tl.load(pair_row + token * SLOTS + j).to(tl.int64)
                     ok = (col * 0 + r) >= 0  # the interpreter rejects a scalar & tile mask
                     tl.store(q_ptr + r * stride_q + col, q, mask=cmask & ok)
-                    tl.store(s_ptr + r * stride_s + g, scale, mask=(g < n_groups) & ((g * 0 + r) >= 0))
+                    if QUANT:
+                        tl.store(s_ptr + r * stride_s + g, scale, mask=(g < n_groups) & ((g * 0 + r) >= 0))
         else:  # a block of sorted rows: zeros in its padding rows
             r = (pid - T) * ZR + tl.arange(0, ZR)
             pad = (tl.load(sorted_pair + r, mask=r < rows, other=0) < 0) & (r < rows)
@@ -73,16 +80,32 @@ if HAVE_TRITON:
                     cols = c0 + tl.arange(0, ZC)
                     tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], zeros,
                              mask=pad[:, None] & (cols[None, :] < n_groups * G))
-                for g0 in range(0, n_groups, ZC // G):
-                    g = g0 + tl.arange(0, ZC // G)
-                    tl.store(s_ptr + r64[:, None] * stride_s + g[None, :], tl.zeros((ZR, ZC // G), tl.float32),
-                             mask=pad[:, None] & (g[None, :] < n_groups))
+                if QUANT:
+                    for g0 in range(0, n_groups, ZC // G):
+                        g = g0 + tl.arange(0, ZC // G)
+                        tl.store(s_ptr + r64[:, None] * stride_s + g[None, :],
+                                 tl.zeros((ZR, ZC // G), tl.float32), mask=pad[:, None] & (g[None, :] < n_groups))
 
 
 def _outputs(rows: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialized: the kernel writes every row (tests swap in garbage-filled ones to show it)."""
     return (torch.empty(rows, k, dtype=FP8_DTYPE, device=device),
             torch.empty(rows, k // GROUP, dtype=torch.float32, device=device))
+
+
+def _rows_output(rows: int, k: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialized, as _outputs."""
+    return torch.empty(rows, k, dtype=dtype, device=device)
+
+
+def _check(t: int, k: int, pair_row: torch.Tensor, sorted_pair: torch.Tensor, rows: int, slots: int,
+           name: str) -> None:
+    if k % GROUP:
+        raise ValueError(f"{name}: width {k} is not a multiple of {GROUP}")
+    if pair_row.numel() != t * slots:
+        raise ValueError(f"{name}: {pair_row.numel()} pair rows for {t} tokens x {slots} slots")
+    if sorted_pair.numel() < rows:
+        raise ValueError(f"{name}: {rows} rows asked of {sorted_pair.numel()} sorted rows")
 
 
 def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: torch.Tensor, rows: int,
@@ -98,12 +121,7 @@ def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: t
     sorted rows, most of it in such groups, and zeroing them took a quarter of this kernel
     (docs/kernel-notes.md#moe-quantize-scatter-padding)."""
     t, k = x.shape
-    if k % GROUP:
-        raise ValueError(f"quantize_scatter_fp8: width {k} is not a multiple of {GROUP}")
-    if pair_row.numel() != t * slots:
-        raise ValueError(f"quantize_scatter_fp8: {pair_row.numel()} pair rows for {t} tokens x {slots} slots")
-    if sorted_pair.numel() < rows:
-        raise ValueError(f"quantize_scatter_fp8: {rows} rows asked of {sorted_pair.numel()} sorted rows")
+    _check(t, k, pair_row, sorted_pair, rows, slots, "quantize_scatter_fp8")
     if x.stride(1) != 1:
         x = x.contiguous()
     xg, xsg = _outputs(rows, k, x.device)
@@ -114,3 +132,22 @@ def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: t
         SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS, SKIP_PADDING_GROUPS=skip_padding_groups,
         num_warps=4)
     return xg, xsg
+
+
+def scatter_rows(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: torch.Tensor, rows: int, slots: int,
+                 skip_padding_groups: bool = False) -> torch.Tensor:
+    """x [T, K] -> xg [rows, K] in x's dtype: quantize_scatter_fp8 without the quantization (token t's
+    row at sorted row pair_row[t * slots + j], zeros in padding rows, groups of padding only left
+    unwritten under skip_padding_groups), for the BF16 Gluon GEMMs, which load whole tiles by TMA."""
+    t, k = x.shape
+    _check(t, k, pair_row, sorted_pair, rows, slots, "scatter_rows")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    xg = _rows_output(rows, k, x.dtype, x.device)
+    if t + rows == 0:
+        return xg
+    _quantize_scatter_kernel[(t + triton.cdiv(rows, ZERO_ROWS),)](
+        x, pair_row, sorted_pair, xg, xg, t, rows, k // GROUP, x.stride(0), xg.stride(0), 0,
+        SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS, SKIP_PADDING_GROUPS=skip_padding_groups,
+        QUANT=False, num_warps=4)
+    return xg

@@ -114,6 +114,41 @@ def test_padding_groups_are_left_alone_only_when_asked(monkeypatch, tokens, slot
     assert torch.equal(xg.view(torch.uint8), want_q) and torch.equal(xsg, want_s)  # without it: every row
 
 
+def _garbage_rows(rows, k, dtype, device):
+    return torch.full((rows, k), float("nan"), dtype=dtype, device=device)
+
+
+def _gathered_rows(x, pair_row, sorted_pair, rows, slots):
+    pair = sorted_pair[:rows].long()
+    want = x[torch.where(pair >= 0, pair // slots, 0)].clone()
+    want[pair < 0] = 0
+    return want
+
+
+@in_child
+@pytest.mark.parametrize("tokens,width,slots,remote", [(37, 384, 3, 0.0), (5, 6144, 5, 0.2), (1, 256, 2, 0.5)])
+def test_scatter_rows_equals_a_gather(monkeypatch, tokens, width, slots, remote):
+    """scatter_rows (the BF16 Gluon GEMMs' input): each pair's row of x as it is at its sorted row,
+    zeros in every padding row whatever the memory held; with skip_padding_groups on the
+    alignment's layout, the groups of padding only keep what they held."""
+    from minimax_backend.kernels import moe_quant_scatter
+
+    monkeypatch.setattr(moe_quant_scatter, "_rows_output", _garbage_rows)
+    g = torch.Generator().manual_seed(tokens * 3 + width)
+    x = (torch.randn(tokens, width, generator=g) * 3).to(torch.bfloat16)
+    pair_row, sorted_pair, rows = _layout(tokens, slots, seed=tokens + slots, remote=remote)
+    xg = moe_quant_scatter.scatter_rows(x, pair_row, sorted_pair, rows, slots)
+    assert xg.dtype == torch.bfloat16
+    assert torch.equal(xg, _gathered_rows(x, pair_row, sorted_pair, rows, slots))
+    pair_row, sorted_pair, rows = _aligned_layout(tokens * 10, slots, 192, seed=tokens)
+    x = (torch.randn(tokens * 10, width, generator=g) * 3).to(torch.bfloat16)
+    want = _gathered_rows(x, pair_row, sorted_pair, rows, slots)
+    dead = (sorted_pair[:rows].reshape(-1, 64)[:, :1] < 0).expand(-1, 64).reshape(-1)
+    assert dead.any() and (~dead & (sorted_pair[:rows] < 0)).any()
+    xg = moe_quant_scatter.scatter_rows(x, pair_row, sorted_pair, rows, slots, skip_padding_groups=True)
+    assert torch.equal(xg[~dead], want[~dead]) and xg[dead].isnan().all()
+
+
 def test_bad_shapes_are_named():
     from minimax_backend.kernels.moe_quant_scatter import quantize_scatter_fp8
 
@@ -125,6 +160,10 @@ def test_bad_shapes_are_named():
         quantize_scatter_fp8(x, torch.zeros(7, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), 8, 2)
     with pytest.raises(ValueError, match="9 rows asked of 8 sorted rows"):
         quantize_scatter_fp8(x, torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), 9, 2)
+    from minimax_backend.kernels.moe_quant_scatter import scatter_rows
+
+    with pytest.raises(ValueError, match="scatter_rows: 7 pair rows for 4 tokens x 2 slots"):
+        scatter_rows(x, torch.zeros(7, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), 8, 2)
 
 
 @pytest.mark.gpu
@@ -143,3 +182,16 @@ def test_on_gpu_equals_the_reference_quantization_gathered(monkeypatch, tokens):
     want_q, want_s = _expected(q, s, pair_row, sorted_pair, rows, 5)
     assert torch.equal(xg.view(torch.uint8).cpu(), want_q)
     assert torch.equal(xsg.cpu(), want_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tokens", [1, 4097])
+def test_scatter_rows_on_gpu_equals_a_gather(monkeypatch, tokens):
+    from minimax_backend.kernels import moe_quant_scatter
+
+    monkeypatch.setattr(moe_quant_scatter, "_rows_output", _garbage_rows)
+    x = torch.randn(tokens, 6144, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+    pair_row, sorted_pair, rows = _layout(tokens, 5, seed=tokens, remote=0.1)
+    xg = moe_quant_scatter.scatter_rows(x.cuda(), pair_row.cuda(), sorted_pair.cuda(), rows, 5)
+    assert torch.equal(xg.cpu(), _gathered_rows(x, pair_row, sorted_pair, rows, 5))
