@@ -1,4 +1,4 @@
-"""The FP8 expert GEMMs of the grouped MoE at prefill sizes, warp-specialized in Gluon (Hopper).
+"""The expert GEMMs of the grouped MoE at prefill sizes, warp-specialized in Gluon (Hopper).
 
 The Triton loop of moe_triton.py stays near 600 TFLOP/s at prefill sizes: a plain Triton FP8
 block-scaled GEMM tops out there on a dense problem too. What goes further on Hopper is the
@@ -37,8 +37,14 @@ times the routing weight, bf16): 12% faster than the Triton kernel at 8192 token
 128-column tiles one after the other (DOWN_TRIO_COL_TILES), the producer loading the next tile's
 stages while the consumers store the last: another 17-20% off the down kernel at 8192-16384 tokens.
 
-FP8 only, routed and shared experts of one width. The output equals the Triton kernel's bit for
-bit (the same float32 products summed in the same order: tests/test_moe_triton.py).
+The BF16 layer takes the same 192-row blocks (its rows put in the sorted order by
+moe_quant_scatter.scatter_rows): the gate/up (_gate_up_trio_bf16_kernel) and the down
+(_down_trio_kernel with FP8 off) have the FP8 kernels' structure with K steps of 64 and no scale
+between steps, so each warp group sums in the wgmma accumulator and keeps one product in flight.
+
+Routed and shared experts of one width. The FP8 output equals the Triton kernels' bit for bit (the
+same float32 products summed in the same order: tests/test_moe_triton.py); BF16 is checked against
+the CPU reference and the Triton kernels on the GPU (same file).
 """
 
 from __future__ import annotations
@@ -228,31 +234,32 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _trio_block(block_expert, sorted_pair, w_table, ws_table, n_local, num_m_blocks, num_n_tiles,
-                    K: gl.constexpr, GROUP_M: gl.constexpr):
-        """This program's 192-row block and column tile: (column tile, first row, K steps, whether each
-        64-row group holds rows, the expert's weight and block-scale pointers). An idle block runs no
-        K step and stores nothing."""
+                    K: gl.constexpr, GROUP_M: gl.constexpr, BK: gl.constexpr, DTYPE: gl.constexpr):
+        """This program's 192-row block and column tile: (column tile, first row, K steps of BK, whether
+        each 64-row group holds rows, the expert's weight pointer (DTYPE) and block-scale pointer, the
+        latter unused in BF16). An idle block runs no K step and stores nothing."""
         pid_m, pid_n = _tile_of(gl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
         e = gl.load(block_expert + pid_m)
         active = e < n_local
         e = gl.minimum(e, n_local - 1)
-        n_steps = gl.where(active, K // 128, 0)
+        n_steps = gl.where(active, K // BK, 0)
         off_m = pid_m * 192
         # an expert's rows come first in its run, so a group that starts with padding is all padding
         second = active & (gl.load(sorted_pair + off_m + 64) >= 0)
         third = active & (gl.load(sorted_pair + off_m + 128) >= 0)
-        w = gl.load(w_table + e).to(gl.pointer_type(gl.float8e4nv))
+        w = gl.load(w_table + e).to(gl.pointer_type(DTYPE))
         ws = gl.load(ws_table + e).to(gl.pointer_type(gl.float32))
         return pid_n, off_m, n_steps, active, second, third, w, ws
 
     @gluon.jit
-    def _trio_stage_tiles(STAGES: gl.constexpr, layout: gl.constexpr):
-        """The stage ring's tiles: each stage's three 64-row activation tiles and one [128, 128]
-        weight tile (FP8, K steps of 128)."""
-        a0 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], layout)
-        a1 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], layout)
-        a2 = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 64, 128], layout)
-        b = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, 128], layout)
+    def _trio_stage_tiles(STAGES: gl.constexpr, layout: gl.constexpr, DTYPE: gl.constexpr, BK: gl.constexpr,
+                          BN: gl.constexpr):
+        """The stage ring's tiles: each stage's three 64-row activation tiles and one BN-row weight
+        tile, BK wide (128 bytes: FP8 128, BF16 64)."""
+        a0 = gl.allocate_shared_memory(DTYPE, [STAGES, 64, BK], layout)
+        a1 = gl.allocate_shared_memory(DTYPE, [STAGES, 64, BK], layout)
+        a2 = gl.allocate_shared_memory(DTYPE, [STAGES, 64, BK], layout)
+        b = gl.allocate_shared_memory(DTYPE, [STAGES, BN, BK], layout)
         return a0, a1, a2, b
 
     @gluon.jit
@@ -291,11 +298,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _trio_producer(a_desc, h_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                       N: gl.constexpr, STAGES: gl.constexpr):
+                       N: gl.constexpr, STAGES: gl.constexpr, BK: gl.constexpr):
         """The producer warp, for each half of the program's 128 columns of h and each K step: the
-        three 64-row activation tiles and one [128, 128] weight tile, the 64 gate rows of those
+        three 64-row activation tiles and one [128, BK] weight tile, the 64 gate rows of those
         columns over their 64 up rows (two TMA loads into its halves)."""
-        BK: gl.constexpr = 128
         nbytes: gl.constexpr = 3 * a_desc.block_type.nbytes + 2 * h_desc.block_type.nbytes
         for j in gl.static_range(2):
             for ki in range(n_steps):
@@ -380,13 +386,14 @@ if HAVE_GLUON:
         all from the same [128, 128] weight tiles (gate over up, 64 columns of h at a time)."""
         BK: gl.constexpr = 128
         pid_n, off_m, n_steps, active, second, third, w, ws = _trio_block(
-            block_expert, sorted_pair, w_table, ws_table, n_local, num_m_blocks, num_n_tiles, K, GROUP_M)
+            block_expert, sorted_pair, w_table, ws_table, n_local, num_m_blocks, num_n_tiles, K, GROUP_M, BK,
+            gl.float8e4nv)
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         a_desc = tma.make_tensor_descriptor(x_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
         h_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
-        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout)
+        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, gl.float8e4nv, BK, 128)
         plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         epi0 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
         epi1 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
@@ -404,7 +411,7 @@ if HAVE_GLUON:
             (_trio_consumer, (a2_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi2, park2, off_m + 128,
                               off_n, pid_n, n_steps, third, N, K, alpha, limit, beta, ACT, STAGES)),
             (_trio_producer, (a_desc, h_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                              N, STAGES)),
+                              N, STAGES, BK)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -412,37 +419,45 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _down_trio_producer(h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                            STAGES: gl.constexpr, COL_TILES: gl.constexpr):
+                            STAGES: gl.constexpr, COL_TILES: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr):
         """The producer warp: for each of the program's column tiles and each K step, the three 64-row
-        tiles of h and the [128, 128] weight tile. It runs on into the next column tile while the
+        tiles of h and the [BN, BK] weight tile. It runs on into the next column tile while the
         consumers store the last one, so only the program's first tile waits for the ring to fill."""
-        BK: gl.constexpr = 128
         nbytes: gl.constexpr = 3 * h_desc.block_type.nbytes + w_desc.block_type.nbytes
         for j in range(COL_TILES):
             for ki in range(n_steps):
                 s = _trio_rows_into_stage(h_desc, a0_smem, a1_smem, a2_smem, ready, empty, j * n_steps + ki, off_m,
                                           ki * BK, nbytes, STAGES)
-                _tma_load(w_desc, [off_n + 128 * j, ki * BK], ready.index(s), b_smem.index(s))
+                _tma_load(w_desc, [off_n + BN * j, ki * BK], ready.index(s), b_smem.index(s))
 
     @gluon.jit
     def _down_trio_consumer(a_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m, off_n,
                             n_steps, live, N_OUT: gl.constexpr, K: gl.constexpr, STAGES: gl.constexpr,
-                            COL_TILES: gl.constexpr):
-        """One warp group's [64, 128] tiles of y, one per column tile: the products scaled per K step as
-        the Triton down kernel does, rounded to bf16, times the pair's routing weight, rounded again;
-        padding rows are not stored. A group whose rows are all padding only releases the stages."""
-        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+                            COL_TILES: gl.constexpr, FP8: gl.constexpr, BN: gl.constexpr):
+        """One warp group's [64, BN] tiles of y, one per column tile (BN 128 in FP8): in FP8 the products scaled per K
+        step as the Triton down kernel does, in BF16 summed on the tensor cores; rounded to bf16, times
+        the pair's routing weight, rounded again; padding rows are not stored. A group whose rows are
+        all padding only releases the stages."""
+        if FP8:
+            layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, 128, 32])
+        else:
+            layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BN, 16])
         if live:
             rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             pair = gl.load(sorted_pair + rows)
             valid = pair >= 0
             wt = gl.load(topk_w + gl.where(valid, pair, 0), mask=valid, other=0.0)
             for j in range(COL_TILES):
-                col0 = off_n + 128 * j
-                acc = _ws_product(a_smem, b_smem, ready, empty, hs_ptr + rows.to(gl.int64) * (K // 128),
-                                  ws + (col0 // 128) * (K // 128), n_steps, j * n_steps, STAGES, layout)
+                col0 = off_n + BN * j
+                if FP8:
+                    acc = _ws_product(a_smem, b_smem, ready, empty, hs_ptr + rows.to(gl.int64) * (K // 128),
+                                      ws + (col0 // 128) * (K // 128), n_steps, j * n_steps, STAGES, layout)
+                else:
+                    acc = _bf16_product(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout, BN)
                 y = acc.to(gl.bfloat16).to(gl.float32) * wt[:, None]
-                cols = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+                cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
                 mask = valid[:, None] & (cols < N_OUT)[None, :]
                 gl.store(y_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], y.to(gl.bfloat16), mask=mask)
         else:
@@ -452,30 +467,115 @@ if HAVE_GLUON:
     def _down_trio_kernel(h_ptr, hs_ptr, w_table, ws_table, block_expert, sorted_pair, topk_w, y_ptr, rows_total,
                           n_local, num_m_blocks, num_n_tiles, N_OUT: gl.constexpr, K: gl.constexpr,
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, COL_TILES: gl.constexpr = 1):
-        """y of one [192, 128 * COL_TILES] tile (num_n_tiles counts those): warp groups 0, 1, 2 rows
-        0-63, 64-127, 128-191 of the block, all from the same [128, 128] tiles of the expert's down
-        weight, one 128-column tile after the other."""
-        BK: gl.constexpr = 128
+                          PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, COL_TILES: gl.constexpr = 1,
+                          FP8: gl.constexpr = True, BN: gl.constexpr = 128):
+        """y of one [192, BN * COL_TILES] tile (num_n_tiles counts those): warp groups 0, 1, 2 rows
+        0-63, 64-127, 128-191 of the block, all from the same BN-row tiles of the expert's down
+        weight, one BN-column tile after the other. FP8 (h with its 1 x 128 scales, block-scaled
+        weights; BN 128, the scale block) or BF16 (hs_ptr and ws_table unused)."""
+        if FP8:
+            BK: gl.constexpr = 128
+            DTYPE: gl.constexpr = gl.float8e4nv
+            smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        else:
+            BK: gl.constexpr = 64
+            DTYPE: gl.constexpr = gl.bfloat16
+            smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         pid_n, off_m, n_steps, active, second, third, w, ws = _trio_block(
-            block_expert, sorted_pair, w_table, ws_table, n_local, num_m_blocks, num_n_tiles, K, GROUP_M)
-        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+            block_expert, sorted_pair, w_table, ws_table, n_local, num_m_blocks, num_n_tiles, K, GROUP_M, BK, DTYPE)
         h_desc = tma.make_tensor_descriptor(h_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
-        w_desc = tma.make_tensor_descriptor(w, shape=[N_OUT, K], strides=[K, 1], block_shape=[128, BK],
+        w_desc = tma.make_tensor_descriptor(w, shape=[N_OUT, K], strides=[K, 1], block_shape=[BN, BK],
                                             layout=smem_layout)
-        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout)
+        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, DTYPE, BK, BN)
         ready, empty = _trio_barriers(STAGES)
-        off_n = pid_n * 128 * COL_TILES
+        off_n = pid_n * BN * COL_TILES
         gl.warp_specialize([
             (_down_trio_consumer, (a0_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m, off_n,
-                                   n_steps, active, N_OUT, K, STAGES, COL_TILES)),
+                                   n_steps, active, N_OUT, K, STAGES, COL_TILES, FP8, BN)),
             (_down_trio_consumer, (a1_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m + 64,
-                                   off_n, n_steps, second, N_OUT, K, STAGES, COL_TILES)),
+                                   off_n, n_steps, second, N_OUT, K, STAGES, COL_TILES, FP8, BN)),
             (_down_trio_consumer, (a2_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m + 128,
-                                   off_n, n_steps, third, N_OUT, K, STAGES, COL_TILES)),
+                                   off_n, n_steps, third, N_OUT, K, STAGES, COL_TILES, FP8, BN)),
             (_down_trio_producer, (h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n,
-                                   n_steps, STAGES, COL_TILES)),
+                                   n_steps, STAGES, COL_TILES, BK, BN)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
+    # ---- BF16: the same 192-row blocks, the products summed on the tensor cores ----
+
+    @gluon.jit
+    def _bf16_product(a_smem, b_smem, ready, empty, n_steps, it0, STAGES: gl.constexpr, layout: gl.constexpr,
+                      BN: gl.constexpr):
+        """This warp group's [64, BN] tile over the K steps, BF16: no scale between steps, so the sum
+        stays in the wgmma accumulator and one product is kept in flight while the next stage is waited
+        for; a stage is released once the product after it has been issued (its own has retired).
+        it0: the ring's iteration of the first step."""
+        acc = gl.zeros((64, BN), dtype=gl.float32, layout=layout)
+        for ki in range(n_steps):
+            it = it0 + ki
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            acc = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            if ki > 0:
+                mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if n_steps > 0:
+            mbarrier.arrive(empty.index((it0 + n_steps - 1) % STAGES), count=1)
+        return acc
+
+    @gluon.jit
+    def _trio_bf16_consumer(a_smem, b_smem, ready, empty, h_ptr, epi_smem, off_m, off_n, n_steps, live,
+                            N: gl.constexpr, alpha, limit, beta, ACT: gl.constexpr, STAGES: gl.constexpr):
+        """One warp group's 64 rows of the program's [192, 128] tile of h in BF16, in two halves of 64
+        columns: each half's gate and up products, the activation, h stored in bf16. A group whose rows
+        are all padding only releases the stages."""
+        layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
+        half: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                              order=[1, 0])
+        if live:
+            out_rows = (off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, half))).to(gl.int64)
+            for j in gl.static_range(2):
+                acc = _bf16_product(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout, 128)
+                h = _trio_act(acc, epi_smem, alpha, limit, beta, ACT, half)
+                cols = off_n + 64 * j + gl.arange(0, 64, layout=gl.SliceLayout(0, half))
+                gl.store(h_ptr + out_rows[:, None] * N + cols[None, :], h.to(gl.bfloat16))
+        else:
+            _release_stages(ready, empty, 2 * n_steps, STAGES)
+
+    @gluon.jit
+    def _gate_up_trio_bf16_kernel(x_ptr, w_table, block_expert, sorted_pair, h_ptr, rows_total, n_local,
+                                  num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr, K: gl.constexpr,
+                                  ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+                                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """gate_up + act of one [192, 128] tile of h in BF16: the FP8 kernel's structure (three 64-row
+        warp groups on one stacked weight tile, 64 columns of h at a time) with K steps of 64."""
+        BK: gl.constexpr = 64
+        pid_n, off_m, n_steps, active, second, third, w, ws = _trio_block(
+            block_expert, sorted_pair, w_table, w_table, n_local, num_m_blocks, num_n_tiles, K, GROUP_M, BK,
+            gl.bfloat16)
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        a_desc = tma.make_tensor_descriptor(x_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
+                                            layout=smem_layout)
+        w_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[64, BK],
+                                            layout=smem_layout)
+        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, gl.bfloat16, BK, 128)
+        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        epi0 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
+        epi1 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
+        epi2 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
+        ready, empty = _trio_barriers(STAGES)
+        off_n = pid_n * 128
+        gl.warp_specialize([
+            (_trio_bf16_consumer, (a0_smem, b_smem, ready, empty, h_ptr, epi0, off_m, off_n, n_steps, active, N,
+                                   alpha, limit, beta, ACT, STAGES)),
+            (_trio_bf16_consumer, (a1_smem, b_smem, ready, empty, h_ptr, epi1, off_m + 64, off_n, n_steps, second, N,
+                                   alpha, limit, beta, ACT, STAGES)),
+            (_trio_bf16_consumer, (a2_smem, b_smem, ready, empty, h_ptr, epi2, off_m + 128, off_n, n_steps, third, N,
+                                   alpha, limit, beta, ACT, STAGES)),
+            (_trio_producer, (a_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
+                              N, STAGES, BK)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -519,6 +619,8 @@ def gate_up_act(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_t
 # at 168 and 24 registers a thread.
 TRIO_BLOCK_M = 192
 TRIO_CONFIG = {"STAGES": 3, "CONSUMER_REGS": 168, "PRODUCER_REGS": 24}
+# BF16: the same 40 KB stages (K steps of 64) and bf16 epilogue tiles, no parked half: 4 stages fit.
+TRIO_BF16_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 168, "PRODUCER_REGS": 24}
 
 
 def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_table: torch.Tensor,
@@ -529,18 +631,27 @@ def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor,
     192 rows instead of per 64, and three warp groups to keep the tensor cores busy while each
     scales its products. sorted_pair marks the padding rows (-1): a block's 64-row group that holds
     none of its expert's rows is skipped, so the padding costs no more products than in 64-row
-    blocks (only loads)."""
+    blocks (only loads). xg in BF16 (with BF16 weights): h is bf16, no scales (xsg is returned as
+    the scales, unread)."""
     rows, k = xg.shape
+    if xg.dtype not in (torch.float8_e4m3fn, torch.bfloat16):
+        raise ValueError(f"moe_gluon.gate_up_act_trio: activations in {xg.dtype}; FP8 (e4m3) or bf16 needed")
     if rows != num_m * TRIO_BLOCK_M or n % 128 or k % 128 or sorted_pair.numel() < rows:
         raise ValueError(f"moe_gluon.gate_up_act_trio: {rows} rows for {num_m} blocks of {TRIO_BLOCK_M} "
                          f"({sorted_pair.numel()} sorted rows), n {n}, K {k} (whole blocks and 128-wide tiles needed)")
     _ensure_allocator()
     h = torch.empty(rows, n, dtype=xg.dtype, device=xg.device)
-    hs = torch.empty(rows, n // 128, dtype=torch.float32, device=xg.device)
     n_tiles = n // 128
+    group_m = group_m if group_m < 0 else max(group_m, 1)
+    if xg.dtype == torch.bfloat16:
+        _gate_up_trio_bf16_kernel[(num_m * n_tiles,)](
+            xg, w_table, block_expert, sorted_pair, h, rows, n_local, num_m, n_tiles, alpha, limit, beta, N=n, K=k,
+            ACT=act, GROUP_M=group_m, num_warps=4, **TRIO_BF16_CONFIG)
+        return h, xsg  # no scales in BF16
+    hs = torch.empty(rows, n // 128, dtype=torch.float32, device=xg.device)
     _gate_up_trio_kernel[(num_m * n_tiles,)](
         xg, xsg, w_table, ws_table, block_expert, sorted_pair, h, hs, rows, n_local, num_m, n_tiles, alpha, limit,
-        beta, N=n, K=k, ACT=act, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, **TRIO_CONFIG)
+        beta, N=n, K=k, ACT=act, GROUP_M=group_m, num_warps=4, **TRIO_CONFIG)
     return h, hs
 
 
@@ -557,9 +668,11 @@ def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table
               n_out: int, group_m: int) -> torch.Tensor:
     """y [rows, n_out] bf16 = h @ w2.T of each row's expert, times its pair's routing weight
     (topk_w, float32, by pair), over the 192-row blocks gate_up_act_trio wrote h in (block_expert,
-    its groups, sorted_pair as there); the rows of padding are left unwritten. The same products,
-    scaling and rounding as the Triton down kernel, bit for bit."""
+    its groups, sorted_pair as there); the rows of padding are left unwritten. FP8: the same products,
+    scaling and rounding as the Triton down kernel, bit for bit. BF16 h (and weights): hs unread."""
     rows, k = h.shape
+    if h.dtype not in (torch.float8_e4m3fn, torch.bfloat16):
+        raise ValueError(f"moe_gluon.down_trio: h in {h.dtype}; FP8 (e4m3) or bf16 needed")
     if rows != num_m * TRIO_BLOCK_M or n_out % 128 or k % 128 or sorted_pair.numel() < rows:
         raise ValueError(f"moe_gluon.down_trio: {rows} rows for {num_m} blocks of {TRIO_BLOCK_M} "
                          f"({sorted_pair.numel()} sorted rows), n_out {n_out}, K {k} (whole blocks and 128-wide tiles needed)")
@@ -570,5 +683,5 @@ def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table
     _down_trio_kernel[(num_m * n_groups,)](
         h, hs, w_table, ws_table, block_expert, sorted_pair, topk_w, y, rows, n_local, num_m, n_groups,
         N_OUT=n_out, K=k, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, COL_TILES=col_tiles,
-        **DOWN_TRIO_CONFIG)
+        FP8=h.dtype != torch.bfloat16, **DOWN_TRIO_CONFIG)
     return y

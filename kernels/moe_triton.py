@@ -78,7 +78,7 @@ from .moe_expert_groups import expert_group_table
 from .moe_parallel import mega_moe_reference
 from .moe_probe import notify as notify_router_inputs
 from .moe_probe import watching as watching_router_inputs
-from .moe_quant_scatter import quantize_scatter_fp8
+from .moe_quant_scatter import quantize_scatter_fp8, scatter_rows
 from .moe_reference import MoEWeights, gated_mlp, local_experts_reference, moe_reference
 from .moe_route_triton import route_fits, route_mode, route_triton
 from .norm_quant_triton import quantize_fp8_triton
@@ -674,6 +674,13 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     n_experts = len(w13)
     n_max = max(n, n_shared)
     cfg = config or tile_config(t, routed_k, num_experts, fp8, float32=x.dtype == torch.float32)
+    # local_pairs: the pairs this rank's experts take, on average (routing spreads them; the shared
+    # slot takes every token)
+    local_pairs = t * routed_k * n_local // max(num_experts, 1) + (t if shared is not None else 0)
+    # BF16 on Hopper at prefill sizes: the Gluon GEMMs over 192-row blocks, as FP8 below
+    bf16_gluon = not fp8 and gluon_bf16_fits(x.device, x.dtype, hidden, n, n_shared, local_pairs, len(w13))
+    if bf16_gluon:
+        cfg = bf16_gluon_order(cfg)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     bn_down = cfg.get("BN_DOWN", bn)
     launch = {kk: cfg[kk] for kk in ("num_warps", "num_stages") if kk in cfg}
@@ -694,10 +701,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     gluon = fp8 and gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared)
     # the Gluon gate/up over 192-row blocks (three 64-row groups share each weight tile): the
     # experts' runs are padded to 192, and the down GEMM runs over the same blocks (Gluon) or takes
-    # them as 64-row thirds (Triton). local_pairs: the pairs this rank's experts take, on average
-    # (routing spreads them; the shared slot takes every token)
-    local_pairs = t * routed_k * n_local // max(num_experts, 1) + (t if shared is not None else 0)
-    trio = gluon and trio_fits(local_pairs, n_experts)
+    # them as 64-row thirds (Triton)
+    trio = (gluon and trio_fits(local_pairs, n_experts)) or bf16_gluon
     gluon_down = gluon_down_fits(trio)
     align_m = moe_gluon.TRIO_BLOCK_M if trio else bm
     parts = align_m // bm  # the down kernel's 64-row blocks in each gate/up block
@@ -725,6 +730,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         # Hopper, FP8 prefill: the warp-specialized Gluon gate/up kernel (kernels/moe_gluon.py) loads
         # whole tiles by TMA, which cannot gather rows: x quantized straight into the sorted order
         xq, xs = quantize_scatter_fp8(x, al.pair_row, al.sorted_pair, rows, k, skip_padding_groups=True)
+    elif bf16_gluon:  # the same for BF16, without the quantization
+        xq, xs = scatter_rows(x, al.pair_row, al.sorted_pair, rows, k, skip_padding_groups=True), x.new_empty(1, 1)
     elif fp8:
         # one Triton kernel on the GPU (bit-equal to the reference, tests/test_norm_quant_gpu.py)
         # instead of the reference's ~10 elementwise kernels: at decode sizes launches dominate
@@ -734,8 +741,9 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w13_t, ws13_t = _table(w13), _table(w13_scale, aligned=False)
         w2_t, ws2_t = _table(w2), _table(w2_scale, aligned=False)
     else:
-        xq = x if x.stride(1) == 1 else x.contiguous()  # rows may be strided (a view of a packed gather)
-        xs = x.new_empty(1, 1, dtype=torch.float32)
+        if not bf16_gluon:
+            xq = x if x.stride(1) == 1 else x.contiguous()  # rows may be strided (a view of a packed gather)
+            xs = x.new_empty(1, 1, dtype=torch.float32)
         w13_t = ws13_t = _table(w13)
         w2_t = ws2_t = _table(w2)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
@@ -829,6 +837,44 @@ def gluon_fits(device: torch.device, dtype: torch.dtype, hidden: int, cfg: dict,
 # per expert) 6.3% faster, 8192 (320) 2.1%, 6144 (240) even, 4096 (160) 1.2-2.3% slower from the
 # padding to 192 (docs/kernel-notes.md#three-warp-groups-over-192-row-blocks).
 TRIO_MIN_ROWS_PER_EXPERT = 256
+
+
+# The same for the BF16 Gluon GEMMs (gluon_bf16_fits).
+BF16_TRIO_MIN_ROWS_PER_EXPERT = 256
+
+
+def gluon_bf16_fits(device: torch.device, dtype: torch.dtype, hidden: int, n: int, n_shared: int, pairs: int,
+                    experts: int) -> bool:
+    """Whether a BF16 layer's expert GEMMs run as the Gluon kernels over 192-row blocks
+    (moe_gluon.gate_up_act_trio / down_trio in BF16) instead of the Triton loops.
+
+    Kernel option moe_gemm: auto = on an sm_90 GPU with triton's Gluon from
+    BF16_TRIO_MIN_ROWS_PER_EXPERT rows per expert on average (the shared slot counted);
+    gluon192 = at any size, an error where the GPU cannot; gluon (the 64-row FP8 kernel, which has
+    no BF16 form) and triton = never. moe_down=triton keeps the whole BF16 layer on the Triton
+    kernels (their down cannot read the 192-row blocks at BF16's tiles). Only a bf16 model with
+    routed and shared experts of one width and whole 128-wide tiles."""
+    opts = kernel_options()
+    mode = opts.moe_gemm
+    if mode in ("triton", "gluon") or opts.moe_down == "triton" or device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    if not moe_gluon.gluon_available(device):
+        if mode == "auto":
+            return False
+        raise RuntimeError(f"kernel option moe_gemm={mode} needs triton's Gluon and an sm_90 (Hopper) GPU; "
+                           f"this is {device} with triton {triton.__version__}: use auto or triton")
+    if n != n_shared or n % 128 or hidden % 128:
+        return False
+    return mode == "gluon192" or pairs >= BF16_TRIO_MIN_ROWS_PER_EXPERT * experts
+
+
+def bf16_gluon_order(cfg: dict) -> dict:
+    """The BF16 Gluon GEMMs' tiles: 64-row groups (BLOCK_M 64 for the block arithmetic) and, unless the
+    kernel options set an order, the FP8 Gluon GEMMs' programs in groups that follow the experts."""
+    opts = kernel_options()
+    order = {} if opts.moe_group_m is not None or opts.moe_expert_groups is not None else \
+        {"GROUP_M": -1, "EXPERT_GROUPS": 8}
+    return {**cfg, "BM": moe_gluon.BLOCK_M, **order}
 
 
 def trio_fits(pairs: int, experts: int) -> bool:

@@ -588,6 +588,89 @@ def test_host_side_of_the_192_row_gluon_gate_up_equals_the_triton_path(interp, o
     assert torch.equal(out["gluon192", "auto"], out["triton", "auto"])
 
 
+def test_host_side_of_the_bf16_gluon_path_equals_the_triton_path(interp, monkeypatch):
+    """BF16 on sm_90 at prefill sizes (moe_gemm auto / gluon192): the layout in 192-row blocks, the
+    bf16 rows scattered into it by scatter_rows (the real kernel, interpreted), the experts' groups as
+    the block order, the Gluon gate/up and down over the same blocks, the combine. The Gluon kernels
+    are replaced by the Triton BF16 kernels over the 64-row thirds of the same sorted rows (a third of
+    padding only idle, its rows left NaN). The case of the FP8 host tests in BF16: expert 6 takes all
+    201 tokens, the shared expert too, 3 experts idle. Equal to the Triton path's output (the same
+    float32 sums per row and K step of 64, in the interpreter)."""
+    import minimax_backend.kernels.moe_gluon as mg
+
+    kt = interp
+    parts = mg.TRIO_BLOCK_M // 64
+    _, x, ids, tw, _, _ = _host_side_case({})
+    w = R.MoEWeights(*K.block_op_args(_block(tiny_m3_clamping, torch.bfloat16, False)))
+    shared = (w.shared_w13, w.shared_w2, None, None)
+    seen, seen_down = [], []
+
+    def thirds(blocks, sorted_pair, num_m, n_local):
+        first_rows = sorted_pair[: num_m * mg.TRIO_BLOCK_M].view(parts * num_m, 64)[:, 0]
+        return torch.where(first_rows >= 0, blocks[:num_m].repeat_interleave(parts), n_local).to(torch.int32)
+
+    def gate_up(xg, xsg, w_t, ws_t, blocks, sorted_pair, num_m, n_local, n, act, alpha, limit, beta, group_m):
+        seen.append((xg.dtype, group_m, blocks.numel() > num_m))
+        rows, hidden = xg.shape
+        h = torch.full((rows, n), float("nan")).to(torch.bfloat16)
+        kt._gate_up_act_kernel[(parts * num_m * (n // 128),)](
+            xg, xsg, w_t, ws_t, torch.arange(rows, dtype=torch.int32), thirds(blocks, sorted_pair, num_m, n_local),
+            h, xsg, hidden, n, n, 1, n_local, parts * num_m, n // 128, xg.stride(0), 0, h.stride(0), 0,
+            alpha, limit, beta, False, ACT=act, FP8=False, OUT_KIND=1, INTERP=True, UPCAST=True, IEEE=False, BM=64,
+            BN=128, BK=64, ONE_DOT=True, GROUP_M=0, num_warps=4, num_stages=2)
+        return h, xsg
+
+    def down(h, hs, w_t, ws_t, blocks, sorted_pair, topk_w, num_m, n_local, n_out, group_m):
+        seen_down.append((h.dtype, group_m))
+        rows, n = h.shape
+        y = torch.full((rows, n_out), float("nan")).to(torch.bfloat16)
+        kt._down_kernel[(parts * num_m * (n_out // 128),)](
+            h, hs, w_t, ws_t, sorted_pair, thirds(blocks, sorted_pair, num_m, n_local), topk_w, y,
+            n_out, n_local, parts * num_m, n_out // 128, h.stride(0), 0, y.stride(0), K=n, K_SHARED=n,
+            SHARED=True, FP8=False, OUT_KIND=1, INTERP=True, UPCAST=True, IEEE=False, BM=64, BN=128, BK=64,
+            GROUP_M=0, num_warps=4, num_stages=2)
+        return y
+
+    monkeypatch.setattr(mg, "gate_up_act_trio", gate_up)
+    monkeypatch.setattr(mg, "down_trio", down)
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(kt, "gluon_bf16_fits", lambda *a, _on=on: _on)
+        out[on] = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, None, None, 0, "swigluoai", w.alpha, w.limit,
+                                       w.beta, w.num_experts, shared=shared)
+    # one launch each, BF16, in the groups that follow the experts (-1, the table after the blocks)
+    assert seen == [(torch.bfloat16, -1, True)] and seen_down == [(torch.bfloat16, -1)], (seen, seen_down)
+    assert not torch.isnan(out[False]).any()
+    assert torch.equal(out[True], out[False])
+
+
+def test_bf16_gluon_path_is_chosen_by_size_and_options():
+    """gluon_bf16_fits off a Hopper GPU is False under auto and an error under gluon192 (never a
+    silent Triton run of a pinned kernel); the size rule and the switches that keep BF16 on Triton
+    are checked through the Gluon check replaced."""
+    import minimax_backend.kernels.moe_gluon as mg
+    import minimax_backend.kernels.moe_triton as kt
+
+    cpu, cuda, bf16 = torch.device("cpu"), torch.device("cuda"), torch.bfloat16
+    experts, rows = 129, kt.BF16_TRIO_MIN_ROWS_PER_EXPERT * 129
+    assert not kt.gluon_bf16_fits(cpu, bf16, 6144, 3072, 3072, rows, experts)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mg, "gluon_available", lambda device: False)
+        assert not kt.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072, rows, experts)
+        with override_kernel_options(moe_gemm="gluon192"), pytest.raises(RuntimeError, match="moe_gemm=gluon192"):
+            kt.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072, rows, experts)
+        mp.setattr(mg, "gluon_available", lambda device: True)
+        assert kt.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072, rows, experts)
+        assert not kt.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072, rows - 1, experts)
+        assert not kt.gluon_bf16_fits(cuda, torch.float32, 6144, 3072, 3072, rows, experts)
+        assert not kt.gluon_bf16_fits(cuda, bf16, 6144, 3072, 1536, rows, experts)  # a narrower shared slice
+        for opts in ({"moe_gemm": "triton"}, {"moe_gemm": "gluon"}, {"moe_down": "triton"}):
+            with override_kernel_options(**opts):
+                assert not kt.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072, rows, experts), opts
+        with override_kernel_options(moe_gemm="gluon192"):
+            assert kt.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072, 1, experts)
+
+
 def test_auto_takes_the_192_row_gluon_gate_up_from_256_rows_per_expert():
     """moe_gemm=auto picks the 192-row form by the average rows per local expert (measured faster
     from 320 rows per expert, slower at 160: docs/kernel-notes.md); gluon and gluon192 pin it."""
@@ -1131,6 +1214,39 @@ def test_gpu_gluon_gate_up_against_cpu_reference(tokens, gemm, monkeypatch):
     assert launched, why
     # the Gluon down runs over the 192-row blocks (moe_down=auto), never after the 64-row gate/up
     assert len(downs) == (len(launched) if gemm == "gluon192" else 0), (len(downs), len(launched))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [999, 1000])
+def test_gpu_bf16_gluon_kernels_against_cpu_reference_and_triton(tokens, monkeypatch):
+    """BF16 on an sm_90 GPU: the Gluon gate/up and down over 192-row blocks run (counted, under auto:
+    the tiny layer has ~330 rows per expert) and the op matches the CPU reference as the Triton
+    kernels do; with a crowded expert and an idle one the layer equals the Triton path's bits (the
+    same bf16 products summed in K steps of 64 on the tensor cores)."""
+    import minimax_backend.kernels.moe_gluon as mg
+    import minimax_backend.kernels.moe_triton as kt
+
+    if not mg.gluon_available(torch.device("cuda")):
+        pytest.skip("needs triton's Gluon and an sm_90 GPU")
+    launched = []
+    real_gate_up, real_down = mg.gate_up_act_trio, mg.down_trio
+    monkeypatch.setattr(mg, "gate_up_act_trio", lambda *a, **kw: launched.append("gate_up") or real_gate_up(*a, **kw))
+    monkeypatch.setattr(mg, "down_trio", lambda *a, **kw: launched.append("down") or real_down(*a, **kw))
+    with override_kernel_options(moe_gemm="auto"):
+        test_gpu_kernels_against_cpu_reference("m3_bf16", tokens)
+    assert launched.count("gate_up") >= 1 and launched.count("gate_up") == launched.count("down"), launched
+    w = R.MoEWeights(*_cuda(K.block_op_args(_block(tiny_m3_clamping, torch.bfloat16, False))))
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16).cuda()
+    ids, tw = w.route(x)
+    ids[:300, 0] = 3  # one crowded expert
+    ids[ids == 5] = 6  # and an idle one
+    common = (ids, tw, w.w13, w.w2, None, None, 0, "swigluoai", w.alpha, w.limit, w.beta, w.num_experts)
+    shared = (w.shared_w13, w.shared_w2, None, None)
+    out = {}
+    for kernels in ("triton", "gluon192"):
+        with override_kernel_options(moe_gemm=kernels):
+            out[kernels] = kt.grouped_gated_mlp(x, *common, shared=shared)
+    assert torch.equal(out["gluon192"], out["triton"]), (out["gluon192"] - out["triton"]).abs().max()
 
 
 @pytest.mark.gpu

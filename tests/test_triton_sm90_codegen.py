@@ -266,6 +266,9 @@ def compiled_gluon_sm90(fn, signature: dict, constants: dict, num_warps: int):
     except ImportError:
         pytest.skip(f"triton {triton.__version__} has no Gluon")
     names = fn.arg_names
+    # constexpr parameters with a default (a kernel variant's switch) take it unless given
+    constants = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.name not in constants
+                    and p.name not in signature and p.default is not inspect.Parameter.empty}, **constants}
     full = {**signature, **{k: "constexpr" for k in constants}}
     src = GluonASTSource(fn=fn, signature={n: full[n] for n in names},
                          constexprs={(names.index(k),): v for k, v in constants.items()},
@@ -337,6 +340,35 @@ def test_moe_gluon_192_row_down_compiles_warp_specialized_without_spills(tmp_pat
         assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
         assert kernel.metadata.shared <= H200_SHARED_BYTES
         assert local_memory_bytes(kernel, tmp_path) == 0, (group_m, col_tiles)
+
+
+GLUON_TRIO_BF16_SIG = {"x_ptr": "*bf16", "w_table": "*i64", "block_expert": "*i32", "sorted_pair": "*i32",
+                       "h_ptr": "*bf16", "rows_total": "i32", "n_local": "i32", "num_m_blocks": "i32",
+                       "num_n_tiles": "i32", "alpha": "fp32", "limit": "fp32", "beta": "fp32"}
+
+
+@pytest.mark.parametrize("width", [3072, 256], ids=["m3", "tiny"])
+def test_moe_gluon_bf16_gemms_compile_warp_specialized_without_spills(width, tmp_path):
+    """The BF16 Gluon gate/up and down over 192-row tiles (moe_gluon.gate_up_act_trio / down_trio with
+    bf16 input) at M3's widths and the tiny model's (4 K steps, the ring's depth): wgmma, setmaxnreg,
+    shared memory within the H200's, no register spills at their configs."""
+    from minimax_backend.kernels import moe_gluon as mg
+
+    if not mg.HAVE_GLUON:
+        pytest.skip(f"triton {triton.__version__} has no Gluon")
+    gate_up = compiled_gluon_sm90(mg._gate_up_trio_bf16_kernel, GLUON_TRIO_BF16_SIG,
+                                  dict(N=width, K=2 * width, ACT=0, GROUP_M=-1, num_warps=4, **mg.TRIO_BF16_CONFIG), 4)
+    down_sig = {**GLUON_DOWN_TRIO_SIG, "h_ptr": "*bf16"}
+    downs = [compiled_gluon_sm90(mg._down_trio_kernel, down_sig,
+                                 dict(N_OUT=2 * width, K=width, GROUP_M=group_m, num_warps=4, COL_TILES=col_tiles,
+                                      FP8=False, **mg.DOWN_TRIO_CONFIG), 4)
+             for group_m, col_tiles in ((-1, mg.col_tiles_per_program(2 * width // 128, mg.DOWN_TRIO_COL_TILES)),
+                                        (4, 1))]
+    for kernel in (gate_up, *downs):
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and ".bf16.bf16" in ptx and "setmaxnreg" in ptx
+        assert kernel.metadata.shared <= H200_SHARED_BYTES
+        assert local_memory_bytes(kernel, tmp_path) == 0
 
 
 def test_moe_route_and_alignment_kernels_compile(moe):
@@ -429,6 +461,11 @@ def test_moe_quantize_scatter_kernel_compiles_with_vector_stores():
                           ["x_ptr", "pair_row", "sorted_pair", "q_ptr", "s_ptr", "stride_x", "stride_q"], num_warps=4)
     assert byte_loads(ptx) == 0
     assert re.search(r"st\.global[^;\n]*\.v[24]", ptx), "FP8 rows are not stored as vectors"
+    # scatter_rows (BF16, no quantization): the rows stored as vectors too
+    ptx, _ = compile_sm90(mqs._quantize_scatter_kernel, {**sig, "q_ptr": "*bf16", "s_ptr": "*bf16"},
+                          {**consts, "QUANT": False},
+                          ["x_ptr", "pair_row", "sorted_pair", "q_ptr", "s_ptr", "stride_x", "stride_q"], num_warps=4)
+    assert re.search(r"st\.global[^;\n]*\.v[24]", ptx), "bf16 rows are not stored as vectors"
 
 
 @pytest.mark.parametrize("m", [16, 4096])

@@ -91,3 +91,15 @@ def test_tune_moe_rejects_an_empty_expert_group():
 
     with pytest.raises(SystemExit, match="--expert-groups"):
         tune_moe.main(["--device", "cpu", "--preset", "tiny-m3", "--tokens", "3", "--expert-groups", "0"])
+
+
+def test_kernel_pairs_per_precision():
+    """--moe-gemm / --moe-down: FP8 runs every gate/up kernel, the down choice after the 192-row one;
+    BF16 has no 64-row Gluon kernel and its 192-row form brings its own Gluon down."""
+    from minimax_backend.tools.tune_moe import gemm_and_down
+
+    gemms, downs = ["triton", "gluon", "gluon192"], ["auto", "triton"]
+    assert gemm_and_down(gemms, downs, fp8=True) == [("triton", "triton"), ("gluon", "triton"),
+                                                     ("gluon192", "auto"), ("gluon192", "triton")]
+    assert gemm_and_down(gemms, downs, fp8=False) == [("triton", "triton"), ("gluon192", "auto")]
+    assert gemm_and_down(["gluon"], downs, fp8=False) == []

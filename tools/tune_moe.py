@@ -54,6 +54,15 @@ def _kind(name: str) -> str:
     return "other"
 
 
+def gemm_and_down(gemms: list[str], downs: list[str], fp8: bool) -> list[tuple[str, str]]:
+    """The (moe_gemm, moe_down) pairs to run: the down kernel's choice only after the 192-row gate/up;
+    BF16 has the Triton kernels and the 192-row Gluon pair (its Gluon down always: moe_down=triton
+    keeps a BF16 layer on Triton), no 64-row Gluon form."""
+    if not fp8:
+        return [(g, "auto" if g == "gluon192" else "triton") for g in gemms if g in ("triton", "gluon192")]
+    return [(g, d) for g in gemms for d in (downs if g == "gluon192" else ["triton"])]
+
+
 def variants(tokens: int, top_k: int, num_experts: int, fp8: bool, gate_up: tuple[str, ...],
              group_m: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The products and tile orders to run: those asked for, else tile_config's pick at this size."""
@@ -161,8 +170,9 @@ def main(argv=None) -> None:
                    help="also the programs in groups by expert (kernel option moe_expert_groups), at most this many "
                         "row blocks each (kernels/moe_expert_groups.py)")
     p.add_argument("--moe-gemm", nargs="+", choices=["triton", "gluon", "gluon192"], default=["triton"],
-                   help="the FP8 gate/up kernel (kernel option moe_gemm; gluon: the warp-specialized kernel of "
-                        "kernels/moe_gluon.py, sm_90 only, at its BLOCK_M 64 tiles; gluon192: its 192-row form)")
+                   help="the gate/up kernel (kernel option moe_gemm; gluon: the warp-specialized FP8 kernel of "
+                        "kernels/moe_gluon.py, sm_90 only, at its BLOCK_M 64 tiles; gluon192: its 192-row form, "
+                        "in BF16 too, there with the BF16 Gluon down; BF16 skips gluon)")
     p.add_argument("--moe-down", nargs="+", choices=["auto", "triton"], default=["auto"],
                    help="the FP8 down kernel after the 192-row gate/up (kernel option moe_down; auto: the Gluon "
                         "kernel over the same blocks); the other gate/up kernels are followed by the Triton one")
@@ -206,8 +216,11 @@ def main(argv=None) -> None:
             cfg, blk = build_block(args.preset, 0, 1, fp8, device)
             configs = args.configs or (FP8_CONFIGS if fp8 else BF16_CONFIGS)
             for tokens in args.tokens:
-                for gemm, down in [(g, d) for g in (args.moe_gemm if fp8 else ["triton"])
-                                   for d in (args.moe_down if g == "gluon192" else ["triton"])]:
+                pairs = gemm_and_down(args.moe_gemm, args.moe_down, fp8)
+                if not pairs:
+                    print(f"[tune_moe] {precision}: none of --moe-gemm {' '.join(args.moe_gemm)} has a {precision} "
+                          "form (BF16: triton, gluon192); nothing run", flush=True)
+                for gemm, down in pairs:
                     with torch.no_grad(), override_kernel_options(moe_gemm=gemm, moe_down=down):
                         found = sweep(blk, cfg, tokens, configs, args.calls, device, tuple(args.gate_up),
                                       _orders(args), args.sustained, power)
