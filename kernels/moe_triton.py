@@ -674,11 +674,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     n_experts = len(w13)
     n_max = max(n, n_shared)
     cfg = config or tile_config(t, routed_k, num_experts, fp8, float32=x.dtype == torch.float32)
-    # local_pairs: the pairs this rank's experts take, on average (routing spreads them; the shared
-    # slot takes every token)
-    local_pairs = t * routed_k * n_local // max(num_experts, 1) + (t if shared is not None else 0)
-    # BF16 on Hopper at prefill sizes: the Gluon GEMMs over 192-row blocks, as FP8 below
-    bf16_gluon = not fp8 and gluon_bf16_fits(x.device, x.dtype, hidden, n, n_shared, local_pairs, len(w13))
+    # BF16 under moe_gemm=gluon192: the Gluon GEMMs over 192-row blocks, as FP8 below
+    bf16_gluon = not fp8 and gluon_bf16_fits(x.device, x.dtype, hidden, n, n_shared)
     if bf16_gluon:
         cfg = bf16_gluon_order(cfg)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
@@ -701,7 +698,9 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     gluon = fp8 and gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared)
     # the Gluon gate/up over 192-row blocks (three 64-row groups share each weight tile): the
     # experts' runs are padded to 192, and the down GEMM runs over the same blocks (Gluon) or takes
-    # them as 64-row thirds (Triton)
+    # them as 64-row thirds (Triton). local_pairs: the pairs this rank's experts take, on average
+    # (routing spreads them; the shared slot takes every token)
+    local_pairs = t * routed_k * n_local // max(num_experts, 1) + (t if shared is not None else 0)
     trio = (gluon and trio_fits(local_pairs, n_experts)) or bf16_gluon
     gluon_down = gluon_down_fits(trio)
     align_m = moe_gluon.TRIO_BLOCK_M if trio else bm
@@ -833,39 +832,30 @@ def gluon_fits(device: torch.device, dtype: torch.dtype, hidden: int, cfg: dict,
 
 
 # From this many rows per expert on average (the shared slot counted) the Gluon gate/up runs in
-# 192-row blocks under moe_gemm=auto: one H200, M3's FP8 layer back to back, 16384 tokens (640 rows
-# per expert) 6.3% faster, 8192 (320) 2.1%, 6144 (240) even, 4096 (160) 1.2-2.3% slower from the
-# padding to 192 (docs/kernel-notes.md#three-warp-groups-over-192-row-blocks).
-TRIO_MIN_ROWS_PER_EXPERT = 256
+# 192-row blocks under moe_gemm=auto. One H200 on 2026-12-03/04 put it at 256 (4096 tokens, 160
+# rows: 1.2-2.3% slower from the padding to 192); since the quantize-scatter skips the groups of
+# padding and the Gluon down covers three column tiles (2026-12-06), one H100 measured the layer at
+# 3072 tokens (119 rows) even, 4096 (159) 5.6% faster in one call and 3.1% back to back, 6144 (238)
+# 12% / 8.5% faster, 2048 (79) 6% slower (docs/kernel-notes.md#three-warp-groups-over-192-row-blocks).
+TRIO_MIN_ROWS_PER_EXPERT = 128
 
 
-# The same for the BF16 Gluon GEMMs (gluon_bf16_fits).
-BF16_TRIO_MIN_ROWS_PER_EXPERT = 256
-
-
-def gluon_bf16_fits(device: torch.device, dtype: torch.dtype, hidden: int, n: int, n_shared: int, pairs: int,
-                    experts: int) -> bool:
+def gluon_bf16_fits(device: torch.device, dtype: torch.dtype, hidden: int, n: int, n_shared: int) -> bool:
     """Whether a BF16 layer's expert GEMMs run as the Gluon kernels over 192-row blocks
-    (moe_gluon.gate_up_act_trio / down_trio in BF16) instead of the Triton loops.
-
-    Kernel option moe_gemm: auto = on an sm_90 GPU with triton's Gluon from
-    BF16_TRIO_MIN_ROWS_PER_EXPERT rows per expert on average (the shared slot counted);
-    gluon192 = at any size, an error where the GPU cannot; gluon (the 64-row FP8 kernel, which has
-    no BF16 form) and triton = never. moe_down=triton keeps the whole BF16 layer on the Triton
-    kernels (their down cannot read the 192-row blocks at BF16's tiles). Only a bf16 model with
-    routed and shared experts of one width and whole 128-wide tiles."""
+    (moe_gluon.gate_up_act_trio / down_trio in BF16) instead of the Triton loops: only under kernel
+    option moe_gemm=gluon192 (an error where the GPU cannot). auto keeps BF16 on Triton: on an H100
+    the Gluon pair gave the same bits but a 3-4% slower layer at 4096-16384 tokens (its gate/up 2-3%
+    slower than Triton's BF16 loop, the row scatter extra; docs/kernel-notes.md#moe-bf16-in-gluon).
+    moe_down=triton keeps the whole BF16 layer on Triton (its down cannot read the 192-row blocks
+    at BF16's tiles). Only a bf16 model with routed and shared experts of one width and whole
+    128-wide tiles."""
     opts = kernel_options()
-    mode = opts.moe_gemm
-    if mode in ("triton", "gluon") or opts.moe_down == "triton" or device.type != "cuda" or dtype != torch.bfloat16:
+    if opts.moe_gemm != "gluon192" or opts.moe_down == "triton" or device.type != "cuda" or dtype != torch.bfloat16:
         return False
     if not moe_gluon.gluon_available(device):
-        if mode == "auto":
-            return False
-        raise RuntimeError(f"kernel option moe_gemm={mode} needs triton's Gluon and an sm_90 (Hopper) GPU; "
+        raise RuntimeError(f"kernel option moe_gemm=gluon192 needs triton's Gluon and an sm_90 (Hopper) GPU; "
                            f"this is {device} with triton {triton.__version__}: use auto or triton")
-    if n != n_shared or n % 128 or hidden % 128:
-        return False
-    return mode == "gluon192" or pairs >= BF16_TRIO_MIN_ROWS_PER_EXPERT * experts
+    return n == n_shared and n % 128 == 0 and hidden % 128 == 0
 
 
 def bf16_gluon_order(cfg: dict) -> dict:

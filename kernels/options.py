@@ -24,7 +24,7 @@ environment, so a launcher sets the variables before it starts them.
 | moe_gate_up      | MINIMAX_MOE_GATE_UP      | auto    | auto, two_dots, one_dot          | the gate/up kernel's product per K step instead of tile_config's choice (auto: one product twice as wide at prefill sizes, two products at decode sizes) |
 | moe_group_m      | MINIMAX_MOE_GROUP_M      | (unset) | a whole number >= 0              | the grouped GEMMs' program order instead of tile_config's choice: 0 = row blocks fastest over all, g = groups of g row blocks, each group's column tiles first |
 | moe_expert_groups | MINIMAX_MOE_EXPERT_GROUPS | (unset) | a whole number >= 1             | the grouped GEMMs' program order by expert: each group one expert's row blocks (at most this many), its column tiles first; overrides moe_group_m (kernels/moe_expert_groups.py) |
-| moe_gemm         | MINIMAX_MOE_GEMM         | auto    | auto, triton, gluon, gluon192    | the expert GEMMs at prefill sizes: auto = the warp-specialized Gluon kernels of kernels/moe_gluon.py where the GPU runs them (sm_90): FP8 gate/up at its tiles, in its 192-row form from 256 rows per expert, BF16 gate/up and down in the 192-row form from BF16_TRIO_MIN_ROWS_PER_EXPERT; else Triton; gluon = the 64-row FP8 kernel or an error (BF16: Triton); gluon192 = the 192-row form (three 64-row groups share each weight tile) or an error; triton = the Triton loops |
+| moe_gemm         | MINIMAX_MOE_GEMM         | auto    | auto, triton, gluon, gluon192    | the expert GEMMs at prefill sizes: auto = the warp-specialized Gluon FP8 gate/up of kernels/moe_gluon.py where the GPU runs it (sm_90), in its 192-row form from 128 rows per expert, else Triton (BF16: Triton); gluon = the 64-row FP8 kernel or an error (BF16: Triton); gluon192 = the 192-row form (three 64-row groups share each weight tile; in BF16 too, gate/up and down) or an error; triton = the Triton loops |
 | moe_down         | MINIMAX_MOE_DOWN         | auto    | auto, triton                     | the down GEMM: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py wherever the gate/up runs over 192-row blocks, else Triton; triton = the Triton kernel always (and a BF16 layer wholly on Triton) |
 | moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~15-40 torch kernels instead of Triton (one program up to 512 token-expert pairs, chunks of pairs in two launches past them) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
@@ -72,7 +72,11 @@ docs/kernel-notes.md). Who runs them:
   three, tools/tune_moe.py --moe-gemm times them, tools/bench_e2e.py --variants
   minimax-moe-triton / minimax-moe-gluon run the model with them. Since 2026-12-04 (fifteenth
   session) auto runs the gate/up over 192-row blocks from 256 rows per expert (gluon192 pins
-  it): the layer 2-6% faster at 8192-16384 tokens, the GPU tests passing with it;
+  it): the layer 2-6% faster at 8192-16384 tokens, the GPU tests passing with it; since
+  2026-12-06 (twenty-second session) from 128 rows per expert (4096 tokens at EP 1: the layer
+  3-6% faster on an H100; docs/kernel-notes.md#three-warp-groups-over-192-row-blocks). gluon192
+  also runs a BF16 layer's gate/up and down in Gluon (bit-equal to Triton, 3-4% slower on an
+  H100, so not under auto: docs/kernel-notes.md#moe-bf16-in-gluon);
 * moe_down: auto (the default since 2026-12-04) runs the Gluon down GEMM over the same 192-row
   blocks wherever the gate/up runs in that form: bit-equal to the Triton down (GPU tests), 12%
   faster than it at 8192 tokens and even at 16384, the layer back to back 1-2% faster
@@ -147,12 +151,11 @@ class KernelOptions:
         "blocks (at most this many), its column tiles first; overrides moe_group_m (kernels/moe_expert_groups.py)",
         kind="count", allowed="a whole number >= 1")
     moe_gemm: str = _switch(
-        "MINIMAX_MOE_GEMM", "auto", "the expert GEMMs at prefill sizes: auto = the warp-specialized Gluon kernels "
-        "of kernels/moe_gluon.py where the GPU runs them (sm_90): the FP8 gate/up, in its 192-row form from 256 "
-        "rows per expert, and the BF16 gate/up and down in the 192-row form from BF16_TRIO_MIN_ROWS_PER_EXPERT "
-        "(kernels/moe_triton.py); else Triton; gluon = the 64-row FP8 kernel or an error (BF16 stays on Triton); "
-        "gluon192 = the 192-row form (three 64-row groups share each weight tile) or an error; "
-        "triton = the Triton loops", choices=("auto", "triton", "gluon", "gluon192"))
+        "MINIMAX_MOE_GEMM", "auto", "the expert GEMMs at prefill sizes: auto = the warp-specialized Gluon FP8 "
+        "gate/up of kernels/moe_gluon.py where the GPU runs it (sm_90), in its 192-row form from 128 rows per "
+        "expert, else Triton (BF16: Triton); gluon = the 64-row FP8 kernel or an error (BF16 stays on Triton); "
+        "gluon192 = the 192-row form (three 64-row groups share each weight tile; in BF16 too, gate/up and down) "
+        "or an error; triton = the Triton loops", choices=("auto", "triton", "gluon", "gluon192"))
     moe_down: str = _switch(
         "MINIMAX_MOE_DOWN", "auto", "the down GEMM: auto = the warp-specialized Gluon kernel of "
         "kernels/moe_gluon.py wherever the gate/up runs over 192-row blocks, else Triton; triton = the Triton "
