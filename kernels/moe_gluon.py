@@ -252,15 +252,23 @@ if HAVE_GLUON:
         return pid_n, off_m, n_steps, active, second, third, w, ws
 
     @gluon.jit
-    def _trio_stage_tiles(STAGES: gl.constexpr, layout: gl.constexpr, DTYPE: gl.constexpr, BK: gl.constexpr,
-                          BN: gl.constexpr):
-        """The stage ring's tiles: each stage's three 64-row activation tiles and one BN-row weight
+    def _trio_stage_tiles(STAGES: gl.constexpr, layout: gl.constexpr, DTYPE: gl.constexpr, BK: gl.constexpr):
+        """The stage ring's tiles: each stage's three 64-row activation tiles and one 128-row weight
         tile, BK wide (128 bytes: FP8 128, BF16 64)."""
         a0 = gl.allocate_shared_memory(DTYPE, [STAGES, 64, BK], layout)
         a1 = gl.allocate_shared_memory(DTYPE, [STAGES, 64, BK], layout)
         a2 = gl.allocate_shared_memory(DTYPE, [STAGES, 64, BK], layout)
-        b = gl.allocate_shared_memory(DTYPE, [STAGES, BN, BK], layout)
+        b = gl.allocate_shared_memory(DTYPE, [STAGES, 128, BK], layout)
         return a0, a1, a2, b
+
+    @gluon.jit
+    def _trio_epilogue_tiles():
+        """Each consumer group's bf16 [64, 128] tile through which its gate and up columns meet."""
+        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        epi0 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
+        epi1 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
+        epi2 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
+        return epi0, epi1, epi2
 
     @gluon.jit
     def _trio_barriers(STAGES: gl.constexpr):
@@ -393,11 +401,9 @@ if HAVE_GLUON:
                                             layout=smem_layout)
         h_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
-        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, gl.float8e4nv, BK, 128)
+        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, gl.float8e4nv, BK)
+        epi0, epi1, epi2 = _trio_epilogue_tiles()
         plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        epi0 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
-        epi1 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
-        epi2 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
         park0 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], plain)
         park1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], plain)
         park2 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], plain)
@@ -419,22 +425,22 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _down_trio_producer(h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                            STAGES: gl.constexpr, COL_TILES: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr):
+                            STAGES: gl.constexpr, COL_TILES: gl.constexpr, BK: gl.constexpr):
         """The producer warp: for each of the program's column tiles and each K step, the three 64-row
-        tiles of h and the [BN, BK] weight tile. It runs on into the next column tile while the
+        tiles of h and the [128, BK] weight tile. It runs on into the next column tile while the
         consumers store the last one, so only the program's first tile waits for the ring to fill."""
         nbytes: gl.constexpr = 3 * h_desc.block_type.nbytes + w_desc.block_type.nbytes
         for j in range(COL_TILES):
             for ki in range(n_steps):
                 s = _trio_rows_into_stage(h_desc, a0_smem, a1_smem, a2_smem, ready, empty, j * n_steps + ki, off_m,
                                           ki * BK, nbytes, STAGES)
-                _tma_load(w_desc, [off_n + BN * j, ki * BK], ready.index(s), b_smem.index(s))
+                _tma_load(w_desc, [off_n + 128 * j, ki * BK], ready.index(s), b_smem.index(s))
 
     @gluon.jit
     def _down_trio_consumer(a_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m, off_n,
                             n_steps, live, N_OUT: gl.constexpr, K: gl.constexpr, STAGES: gl.constexpr,
-                            COL_TILES: gl.constexpr, FP8: gl.constexpr, BN: gl.constexpr):
-        """One warp group's [64, BN] tiles of y, one per column tile (BN 128 in FP8): in FP8 the products scaled per K
+                            COL_TILES: gl.constexpr, FP8: gl.constexpr):
+        """One warp group's [64, 128] tiles of y, one per column tile: in FP8 the products scaled per K
         step as the Triton down kernel does, in BF16 summed on the tensor cores; rounded to bf16, times
         the pair's routing weight, rounded again; padding rows are not stored. A group whose rows are
         all padding only releases the stages."""
@@ -443,21 +449,21 @@ if HAVE_GLUON:
                                                              instr_shape=[16, 128, 32])
         else:
             layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BN, 16])
+                                                             instr_shape=[16, 128, 16])
         if live:
             rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
             pair = gl.load(sorted_pair + rows)
             valid = pair >= 0
             wt = gl.load(topk_w + gl.where(valid, pair, 0), mask=valid, other=0.0)
             for j in range(COL_TILES):
-                col0 = off_n + BN * j
+                col0 = off_n + 128 * j
                 if FP8:
                     acc = _ws_product(a_smem, b_smem, ready, empty, hs_ptr + rows.to(gl.int64) * (K // 128),
                                       ws + (col0 // 128) * (K // 128), n_steps, j * n_steps, STAGES, layout)
                 else:
-                    acc = _bf16_product(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout, BN)
+                    acc = _bf16_product(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout)
                 y = acc.to(gl.bfloat16).to(gl.float32) * wt[:, None]
-                cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+                cols = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
                 mask = valid[:, None] & (cols < N_OUT)[None, :]
                 gl.store(y_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], y.to(gl.bfloat16), mask=mask)
         else:
@@ -468,11 +474,11 @@ if HAVE_GLUON:
                           n_local, num_m_blocks, num_n_tiles, N_OUT: gl.constexpr, K: gl.constexpr,
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, COL_TILES: gl.constexpr = 1,
-                          FP8: gl.constexpr = True, BN: gl.constexpr = 128):
-        """y of one [192, BN * COL_TILES] tile (num_n_tiles counts those): warp groups 0, 1, 2 rows
-        0-63, 64-127, 128-191 of the block, all from the same BN-row tiles of the expert's down
-        weight, one BN-column tile after the other. FP8 (h with its 1 x 128 scales, block-scaled
-        weights; BN 128, the scale block) or BF16 (hs_ptr and ws_table unused)."""
+                          FP8: gl.constexpr = True):
+        """y of one [192, 128 * COL_TILES] tile (num_n_tiles counts those): warp groups 0, 1, 2 rows
+        0-63, 64-127, 128-191 of the block, all from the same 128-row tiles of the expert's down
+        weight, one 128-column tile after the other. FP8 (h with its 1 x 128 scales, block-scaled
+        weights) or BF16 (hs_ptr and ws_table unused)."""
         if FP8:
             BK: gl.constexpr = 128
             DTYPE: gl.constexpr = gl.float8e4nv
@@ -485,33 +491,32 @@ if HAVE_GLUON:
             block_expert, sorted_pair, w_table, ws_table, n_local, num_m_blocks, num_n_tiles, K, GROUP_M, BK, DTYPE)
         h_desc = tma.make_tensor_descriptor(h_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
-        w_desc = tma.make_tensor_descriptor(w, shape=[N_OUT, K], strides=[K, 1], block_shape=[BN, BK],
+        w_desc = tma.make_tensor_descriptor(w, shape=[N_OUT, K], strides=[K, 1], block_shape=[128, BK],
                                             layout=smem_layout)
-        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, DTYPE, BK, BN)
+        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, DTYPE, BK)
         ready, empty = _trio_barriers(STAGES)
-        off_n = pid_n * BN * COL_TILES
+        off_n = pid_n * 128 * COL_TILES
         gl.warp_specialize([
             (_down_trio_consumer, (a0_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m, off_n,
-                                   n_steps, active, N_OUT, K, STAGES, COL_TILES, FP8, BN)),
+                                   n_steps, active, N_OUT, K, STAGES, COL_TILES, FP8)),
             (_down_trio_consumer, (a1_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m + 64,
-                                   off_n, n_steps, second, N_OUT, K, STAGES, COL_TILES, FP8, BN)),
+                                   off_n, n_steps, second, N_OUT, K, STAGES, COL_TILES, FP8)),
             (_down_trio_consumer, (a2_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m + 128,
-                                   off_n, n_steps, third, N_OUT, K, STAGES, COL_TILES, FP8, BN)),
+                                   off_n, n_steps, third, N_OUT, K, STAGES, COL_TILES, FP8)),
             (_down_trio_producer, (h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n,
-                                   n_steps, STAGES, COL_TILES, BK, BN)),
+                                   n_steps, STAGES, COL_TILES, BK)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
     # ---- BF16: the same 192-row blocks, the products summed on the tensor cores ----
 
     @gluon.jit
-    def _bf16_product(a_smem, b_smem, ready, empty, n_steps, it0, STAGES: gl.constexpr, layout: gl.constexpr,
-                      BN: gl.constexpr):
-        """This warp group's [64, BN] tile over the K steps, BF16: no scale between steps, so the sum
+    def _bf16_product(a_smem, b_smem, ready, empty, n_steps, it0, STAGES: gl.constexpr, layout: gl.constexpr):
+        """This warp group's [64, 128] tile over the K steps, BF16: no scale between steps, so the sum
         stays in the wgmma accumulator and one product is kept in flight while the next stage is waited
         for; a stage is released once the product after it has been issued (its own has retired).
         it0: the ring's iteration of the first step."""
-        acc = gl.zeros((64, BN), dtype=gl.float32, layout=layout)
+        acc = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
         for ki in range(n_steps):
             it = it0 + ki
             s = it % STAGES
@@ -537,7 +542,7 @@ if HAVE_GLUON:
         if live:
             out_rows = (off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, half))).to(gl.int64)
             for j in gl.static_range(2):
-                acc = _bf16_product(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout, 128)
+                acc = _bf16_product(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout)
                 h = _trio_act(acc, epi_smem, alpha, limit, beta, ACT, half)
                 cols = off_n + 64 * j + gl.arange(0, 64, layout=gl.SliceLayout(0, half))
                 gl.store(h_ptr + out_rows[:, None] * N + cols[None, :], h.to(gl.bfloat16))
@@ -560,11 +565,8 @@ if HAVE_GLUON:
                                             layout=smem_layout)
         w_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
-        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, gl.bfloat16, BK, 128)
-        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        epi0 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
-        epi1 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
-        epi2 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], plain)
+        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, gl.bfloat16, BK)
+        epi0, epi1, epi2 = _trio_epilogue_tiles()
         ready, empty = _trio_barriers(STAGES)
         off_n = pid_n * 128
         gl.warp_specialize([

@@ -122,15 +122,8 @@ def quantize_scatter_fp8(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: t
     (docs/kernel-notes.md#moe-quantize-scatter-padding)."""
     t, k = x.shape
     _check(t, k, pair_row, sorted_pair, rows, slots, "quantize_scatter_fp8")
-    if x.stride(1) != 1:
-        x = x.contiguous()
     xg, xsg = _outputs(rows, k, x.device)
-    if t + rows == 0:
-        return xg, xsg
-    _quantize_scatter_kernel[(t + triton.cdiv(rows, ZERO_ROWS),)](
-        x, pair_row, sorted_pair, xg, xsg, t, rows, k // GROUP, x.stride(0), xg.stride(0), xsg.stride(0),
-        SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS, SKIP_PADDING_GROUPS=skip_padding_groups,
-        num_warps=4)
+    _launch(x, pair_row, sorted_pair, xg, xsg, rows, slots, skip_padding_groups, quant=True)
     return xg, xsg
 
 
@@ -141,13 +134,20 @@ def scatter_rows(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: torch.Ten
     unwritten under skip_padding_groups), for the BF16 Gluon GEMMs, which load whole tiles by TMA."""
     t, k = x.shape
     _check(t, k, pair_row, sorted_pair, rows, slots, "scatter_rows")
+    xg = _rows_output(rows, k, x.dtype, x.device)
+    _launch(x, pair_row, sorted_pair, xg, xg, rows, slots, skip_padding_groups, quant=False)
+    return xg
+
+
+def _launch(x: torch.Tensor, pair_row: torch.Tensor, sorted_pair: torch.Tensor, xg: torch.Tensor,
+            xsg: torch.Tensor, rows: int, slots: int, skip_padding_groups: bool, quant: bool) -> None:
+    """One program per token, then one per ZERO_ROWS sorted rows; xsg unread without quant."""
+    t, k = x.shape
+    if t + rows == 0:
+        return
     if x.stride(1) != 1:
         x = x.contiguous()
-    xg = _rows_output(rows, k, x.dtype, x.device)
-    if t + rows == 0:
-        return xg
     _quantize_scatter_kernel[(t + triton.cdiv(rows, ZERO_ROWS),)](
-        x, pair_row, sorted_pair, xg, xg, t, rows, k // GROUP, x.stride(0), xg.stride(0), 0,
-        SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS, SKIP_PADDING_GROUPS=skip_padding_groups,
-        QUANT=False, num_warps=4)
-    return xg
+        x, pair_row, sorted_pair, xg, xsg, t, rows, k // GROUP, x.stride(0), xg.stride(0),
+        xsg.stride(0) if quant else 0, SLOTS=slots, G=GROUP, NG=CHUNK_GROUPS, ZR=ZERO_ROWS, ZC=ZERO_COLUMNS,
+        SKIP_PADDING_GROUPS=skip_padding_groups, QUANT=quant, num_warps=4)

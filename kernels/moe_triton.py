@@ -730,19 +730,20 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         # whole tiles by TMA, which cannot gather rows: x quantized straight into the sorted order
         xq, xs = quantize_scatter_fp8(x, al.pair_row, al.sorted_pair, rows, k, skip_padding_groups=True)
     elif bf16_gluon:  # the same for BF16, without the quantization
-        xq, xs = scatter_rows(x, al.pair_row, al.sorted_pair, rows, k, skip_padding_groups=True), x.new_empty(1, 1)
+        xq = scatter_rows(x, al.pair_row, al.sorted_pair, rows, k, skip_padding_groups=True)
+        xs = x.new_empty(1, 1, dtype=torch.float32)
     elif fp8:
         # one Triton kernel on the GPU (bit-equal to the reference, tests/test_norm_quant_gpu.py)
         # instead of the reference's ~10 elementwise kernels: at decode sizes launches dominate
         on_gpu = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
         xq, xs = quantize_fp8_triton(x, 128) if on_gpu else quantize_fp8_reference(x, 128)
+    else:
+        xq = x if x.stride(1) == 1 else x.contiguous()  # rows may be strided (a view of a packed gather)
+        xs = x.new_empty(1, 1, dtype=torch.float32)
     if fp8:
         w13_t, ws13_t = _table(w13), _table(w13_scale, aligned=False)
         w2_t, ws2_t = _table(w2), _table(w2_scale, aligned=False)
     else:
-        if not bf16_gluon:
-            xq = x if x.stride(1) == 1 else x.contiguous()  # rows may be strided (a view of a packed gather)
-            xs = x.new_empty(1, 1, dtype=torch.float32)
         w13_t = ws13_t = _table(w13)
         w2_t = ws2_t = _table(w2)
     tw = weights.reshape(-1).to(torch.float32).contiguous()
