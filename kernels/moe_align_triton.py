@@ -103,7 +103,7 @@ if HAVE_TRITON:
         tl.store(block_expert_ptr + b, tl.cumsum(hist, axis=0), mask=b < MAX_BLOCKS)
 
     @triton.jit
-    def _align_kernel(
+    def _align_pairs(
         ids_ptr, sorted_pair_ptr, block_expert_ptr, pair_row_ptr, expert_offset, shared_id,
         PAIRS: tl.constexpr, P2: tl.constexpr, N_LOCAL: tl.constexpr, ROUTED: tl.constexpr, NB: tl.constexpr,
         BM: tl.constexpr, MAX_ROWS: tl.constexpr, MAX_BLOCKS: tl.constexpr, B2: tl.constexpr, FILL: tl.constexpr,
@@ -128,12 +128,19 @@ if HAVE_TRITON:
         _place_pairs(e, ok, lane, 0, start, first, sorted_pair_ptr, pair_row_ptr, N_LOCAL, NB, P2, True)
         _block_table(padded, mine, block_expert_ptr, BM, MAX_BLOCKS, B2)
 
+    @triton.jit
+    def _align_kernel(
+        ids_ptr, sorted_pair_ptr, block_expert_ptr, pair_row_ptr, expert_offset, shared_id,
+        PAIRS: tl.constexpr, P2: tl.constexpr, N_LOCAL: tl.constexpr, ROUTED: tl.constexpr, NB: tl.constexpr,
+        BM: tl.constexpr, MAX_ROWS: tl.constexpr, MAX_BLOCKS: tl.constexpr, B2: tl.constexpr, FILL: tl.constexpr,
+    ):
+        _align_pairs(ids_ptr, sorted_pair_ptr, block_expert_ptr, pair_row_ptr, expert_offset, shared_id,
+                     PAIRS, P2, N_LOCAL, ROUTED, NB, BM, MAX_ROWS, MAX_BLOCKS, B2, FILL)
 
-def align_by_expert_triton(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int,
-                           shared_id: int = -2):
-    """(sorted_pair, block_expert, pair_row) as kernels/moe_triton.align_by_expert returns them
-    (shared_id >= 0: that id is one more local expert, n_local)."""
-    pairs = ids.numel()
+
+def one_program_outputs(pairs: int, n_local: int, block_m: int, shared_id: int, device: torch.device):
+    """The one program's outputs (sorted_pair, block_expert, pair_row), its compile-time
+    constants and warp count, for `_align_pairs` in any kernel that runs it."""
     routed = n_local
     if shared_id >= 0:
         n_local += 1
@@ -141,18 +148,24 @@ def align_by_expert_triton(ids: torch.Tensor, expert_offset: int, n_local: int, 
         raise ValueError(f"align_by_expert_triton: {pairs} pairs; one program handles 1..{MAX_PAIRS}")
     max_rows = -(-(pairs + n_local * (block_m - 1)) // block_m) * block_m
     max_blocks = max_rows // block_m
-    dev = ids.device
-    sorted_pair = torch.empty(max_rows, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    pair_row = torch.empty(pairs, dtype=torch.int32, device=dev)
+    outputs = (torch.empty(max_rows, dtype=torch.int32, device=device),
+               torch.empty(max_blocks, dtype=torch.int32, device=device),
+               torch.empty(pairs, dtype=torch.int32, device=device))
     p2 = triton.next_power_of_2(pairs)
-    _align_kernel[(1,)](
-        ids.reshape(-1).contiguous(), sorted_pair, block_expert, pair_row, int(expert_offset), int(shared_id),
-        PAIRS=pairs, P2=p2, N_LOCAL=n_local, ROUTED=routed, NB=triton.next_power_of_2(n_local + 1), BM=block_m,
-        MAX_ROWS=max_rows, MAX_BLOCKS=max_blocks, B2=triton.next_power_of_2(max_blocks), FILL=1024,
-        num_warps=4 if p2 <= 256 else 8 if p2 <= 1024 else 16,
-    )
-    return sorted_pair, block_expert, pair_row
+    constants = dict(PAIRS=pairs, P2=p2, N_LOCAL=n_local, ROUTED=routed, NB=triton.next_power_of_2(n_local + 1),
+                     BM=block_m, MAX_ROWS=max_rows, MAX_BLOCKS=max_blocks, B2=triton.next_power_of_2(max_blocks),
+                     FILL=1024)
+    return outputs, constants, 4 if p2 <= 256 else 8 if p2 <= 1024 else 16
+
+
+def align_by_expert_triton(ids: torch.Tensor, expert_offset: int, n_local: int, block_m: int,
+                           shared_id: int = -2):
+    """(sorted_pair, block_expert, pair_row) as kernels/moe_triton.align_by_expert returns them
+    (shared_id >= 0: that id is one more local expert, n_local)."""
+    outputs, constants, warps = one_program_outputs(ids.numel(), n_local, block_m, shared_id, ids.device)
+    _align_kernel[(1,)](ids.reshape(-1).contiguous(), *outputs, int(expert_offset), int(shared_id), **constants,
+                        num_warps=warps)
+    return outputs
 
 
 # ---- past one program's pairs: chunks of pairs, two launches ----

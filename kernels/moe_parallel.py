@@ -145,7 +145,7 @@ def mega_moe_reference(x: torch.Tensor, *args, experts: ExpertsFn = local_expert
     if tp == 1:  # one device: the block itself, on the real rows
         if x.shape[0] < num_tokens:
             raise ValueError(f"minimax mega_moe: {x.shape[0]} rows cannot hold {num_tokens} tokens")
-        out = w.partial(x[:num_tokens], *w.route(x[:num_tokens]), experts)
+        out = w.block(x[:num_tokens], experts)
         return _pad_rows(out, x.shape[0]) if output_sharded else out
     rank = _resolve(group_name).rank()
     _, moe_tp = _layout(w, tp, rank)

@@ -124,6 +124,11 @@ class MoEWeights:
         return gated_mlp(x, self.w13[i], self.w2[i], s13, s2, self.activation, self.alpha, self.limit, self.beta,
                          self.group)
 
+    def block(self, x: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
+        """The whole block on these rows: route, then this rank's partial sum (the GPU weights
+        may fuse the two's launches)."""
+        return self.partial(x, *self.route(x), experts)
+
     def partial(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertsFn) -> torch.Tensor:
         """Routed experts (float32, cast once) + the shared expert, in x.dtype: the eager
         block's sum on this rank (the GPU weights run both in one set of launches)."""
@@ -186,5 +191,4 @@ def moe_reference(x: torch.Tensor, *args, experts: ExpertsFn = local_experts_ref
                   weights_cls: type = MoEWeights) -> torch.Tensor:
     w = weights_cls(*args)
     check_inputs(x, w)
-    ids, weights = w.route(x)
-    return w.partial(x, ids, weights, experts)
+    return w.block(x, experts)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp8 import FP8_DTYPE
 from .interpreter import triton_interpreting
 from .options import kernel_options
 
@@ -53,12 +54,15 @@ try:
     import triton
     import triton.language as tl
 
+    from .norm_quant_triton import quant_groups, round_e4m3
+
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover
     triton = tl = None
     HAVE_TRITON = False
 
 MAX_EXPERTS = 1024  # one [experts] vector per program in registers
+FP8_GROUP = 128  # the expert GEMMs' activation groups (1 x 128)
 LOGITS_MAX_TOKENS = 16  # rows up to which _logits_kernel computes the logits (faster than cuBLAS there)
 
 
@@ -76,38 +80,53 @@ def route_fits(x: torch.Tensor, num_experts: int, top_k: int) -> bool:
 if HAVE_TRITON:
 
     @triton.jit
-    def _select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, scaling,
-                       HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr, BE: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+    def _select_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, row0, T, E, stride_l, stride_out, scaling,
+                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                     BE: tl.constexpr):
+        """The selection of rows row0 .. row0 + BT - 1 (those < T): ids and weights into slots
+        0 .. K - 1 of rows stride_out apart (K, or K + 1 with the shared expert's slot after them)."""
+        rt = row0 + tl.arange(0, BT)
         offs = tl.arange(0, BE)
-        ok = offs < E
-        scores = tl.sigmoid(tl.load(logits_ptr + t * stride_l + offs, mask=ok, other=0.0))
+        ok = offs[None, :] < E
+        rows_ok = (rt < T)[:, None]
+        scores = tl.sigmoid(tl.load(logits_ptr + rt[:, None].to(tl.int64) * stride_l + offs[None, :],
+                                    mask=rows_ok & ok, other=0.0))
         choice = scores
         if HAS_BIAS:
-            choice = scores + tl.load(bias_ptr + offs, mask=ok, other=0.0)
+            choice = scores + tl.load(bias_ptr + offs, mask=offs < E, other=0.0)[None, :]
         choice = tl.where(ok, choice, float("-inf"))
-        # K rounds of argmax; each winner's slot (rank) is kept per expert lane
-        slot = tl.full((BE,), -1, tl.int32)
+        # K rounds of argmax per row; each winner's slot (rank) is kept per expert lane
+        slot = tl.full((BT, BE), -1, tl.int32)
         for j in tl.static_range(K):
-            best = tl.max(choice, axis=0)
-            winner = tl.min(tl.where(choice == best, offs, BE), axis=0)  # ties: the lower id
-            slot = tl.where(offs == winner, j, slot)
-            choice = tl.where(offs == winner, float("-inf"), choice)
+            best = tl.max(choice, axis=1)
+            winner = tl.min(tl.where(choice == best[:, None], offs[None, :], BE), axis=1)  # ties: the lower id
+            won = offs[None, :] == winner[:, None]
+            slot = tl.where(won, j, slot)
+            choice = tl.where(won, float("-inf"), choice)
         picked = slot >= 0
         w = tl.where(picked, scores, 0.0)
         if NORM:
-            w = w / tl.sum(w, axis=0)
+            w = w / tl.sum(w, axis=1)[:, None]
         w = w * scaling
-        dst = t * K + tl.where(picked, slot, 0)
-        tl.store(ids_ptr + dst, offs.to(tl.int64), mask=picked)
-        tl.store(w_ptr + dst, w, mask=picked)
+        dst = rt[:, None].to(tl.int64) * stride_out + tl.where(picked, slot, 0)
+        stored = picked & rows_ok
+        tl.store(ids_ptr + dst, (offs[None, :] + tl.zeros((BT, BE), tl.int32)).to(tl.int64), mask=stored)
+        tl.store(w_ptr + dst, w, mask=stored)
+
+    @triton.jit
+    def _select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, scaling,
+                       HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr, BE: tl.constexpr):
+        _select_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, tl.program_id(0), tl.program_id(0) + 1, E, stride_l, K,
+                     scaling, HAS_BIAS, NORM, K, 1, BE)
 
 
     @triton.jit
-    def _logits_kernel(x_ptr, w_ptr, out_ptr, T, E, H, stride_x, stride_w, stride_o,
-                       BT: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr):
+    def _logits_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, T, E, H, stride_x, stride_w, stride_o, stride_q,
+                       stride_s, BT: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, QUANT: tl.constexpr = False,
+                       G: tl.constexpr = 128, INTERP: tl.constexpr = False):
         """logits[BT tokens, BE experts] = x . w in float32, products summed per lane over H
-        in steps of BH, then across the lanes."""
+        in steps of BH, then across the lanes. QUANT: the programs also write x's 1 x G FP8
+        quantization for the expert GEMMs (q, scales), group g by program g, g + programs, ..."""
         rt = tl.program_id(0) * BT + tl.arange(0, BT)
         re = tl.program_id(1) * BE + tl.arange(0, BE)
         acc = tl.zeros((BT, BE, BH), tl.float32)
@@ -120,6 +139,18 @@ if HAVE_TRITON:
             acc += x[:, None, :] * w[None, :, :]
         tl.store(out_ptr + rt[:, None] * stride_o + re[None, :], tl.sum(acc, axis=2),
                  mask=(rt[:, None] < T) & (re[None, :] < E))
+        if QUANT:
+            rows = (rt < T)[:, None]
+            for g in range(tl.program_id(1), H // G, tl.num_programs(1)):
+                col = g * G + tl.arange(0, G)
+                v = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_x + col[None, :], mask=rows,
+                            other=0.0).to(tl.float32)
+                q, scale = quant_groups(v)
+                if INTERP:
+                    q = round_e4m3(q)  # the interpreter's cast rounds wrongly; an E4M3 value casts exactly
+                tl.store(q_ptr + rt[:, None].to(tl.int64) * stride_q + col[None, :],
+                         q.to(q_ptr.dtype.element_ty), mask=rows)
+                tl.store(s_ptr + rt.to(tl.int64) * stride_s + g, scale, mask=rt < T)
 
 
     @triton.jit
@@ -267,19 +298,38 @@ def logits_tiles(tokens: int) -> tuple[int, int, int]:
 def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
     """float32 [T, E] = x.float() @ router_weight.float().T: at decode sizes in one Triton launch,
     above them as three bf16 tensor-core products where the rows are bf16, else by cuBLAS."""
+    return router_logits_and_fp8(x, router_weight, quantize=False)[0]
+
+
+def logits_kernel_fits(x: torch.Tensor, router_weight: torch.Tensor) -> bool:
+    """Whether the decode logits kernel takes these rows (else router_logits goes to the GEMMs)."""
+    return x.shape[0] <= LOGITS_MAX_TOKENS and x.stride(1) == 1 and router_weight.stride(1) == 1
+
+
+def router_logits_and_fp8(x: torch.Tensor, router_weight: torch.Tensor, quantize: bool = True):
+    """(logits, (x_fp8, scales) or None): router_logits, and where the decode logits kernel runs and
+    `quantize` asks, x's 1 x 128 FP8 quantization for the expert GEMMs written by the same launch
+    (bit for bit minimax::quantize_fp8's reference; kernels/norm_quant_triton.py:quant_groups)."""
     t, h = x.shape
     e = router_weight.shape[0]
-    if t > LOGITS_MAX_TOKENS or x.stride(1) != 1 or router_weight.stride(1) != 1:
+    if not logits_kernel_fits(x, router_weight):
         if router_logits_mode() == "auto" and three_bf16_fits(x, router_weight):
-            return logits_three_bf16(x, router_weight)
-        return F.linear(x.float(), router_weight.float())
+            return logits_three_bf16(x, router_weight), None
+        return F.linear(x.float(), router_weight.float()), None
+    quantize = quantize and h % FP8_GROUP == 0 and x.dtype in (torch.bfloat16, torch.float16)
     bt, be, bh = logits_tiles(t)
     out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    if quantize:
+        q = torch.empty(t, h, dtype=FP8_DTYPE, device=x.device)
+        s = torch.empty(t, h // FP8_GROUP, dtype=torch.float32, device=x.device)
+    else:
+        q = s = out  # not written
     _logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be))](
-        x, router_weight, out, t, e, h, x.stride(0), router_weight.stride(0), out.stride(0),
-        BT=bt, BE=be, BH=bh, num_warps=4,
+        x, router_weight, out, q, s, t, e, h, x.stride(0), router_weight.stride(0), out.stride(0),
+        q.stride(0), s.stride(0), BT=bt, BE=be, BH=bh, QUANT=quantize, G=FP8_GROUP, INTERP=triton_interpreting(),
+        num_warps=4,
     )
-    return out
+    return out, ((q, s) if quantize else None)
 
 
 def route_triton(x: torch.Tensor, router_weight: torch.Tensor, correction_bias, top_k: int,

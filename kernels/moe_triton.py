@@ -80,7 +80,8 @@ from .moe_probe import notify as notify_router_inputs
 from .moe_probe import watching as watching_router_inputs
 from .moe_quant_scatter import quantize_scatter_fp8, scatter_rows
 from .moe_reference import MoEWeights, gated_mlp, local_experts_reference, moe_reference
-from .moe_route_triton import route_fits, route_mode, route_triton
+from .moe_route_triton import route_fits, route_mode, route_triton, router_logits_and_fp8
+from .moe_select_align import Selection, select_align_fits, select_and_align
 from .norm_quant_triton import quantize_fp8_triton
 from .options import kernel_options
 
@@ -240,6 +241,7 @@ def _table(tensors, aligned: bool = True) -> torch.Tensor:
 
 # ------------------------------------------------------------------ kernels
 if HAVE_TRITON:
+    from .norm_quant_triton import round_e4m3
 
     @triton.jit
     def _round_bf16(v):
@@ -248,17 +250,6 @@ if HAVE_TRITON:
         lsb = (bits >> 16) & 1
         bits = (bits + 0x7FFF + lsb) & -65536
         return bits.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _round_e4m3(q):
-        """float32 in [-448, 448] -> nearest E4M3 value (ties to even), kept in float32: what the
-        GPU's cvt.rn.satfinite does; the interpreter's own cast is off by an ulp at times."""
-        bits = q.to(tl.int32, bitcast=True)
-        lsb = (bits >> 20) & 1
-        normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
-        v = q * 512.0  # subnormals (|q| < 2**-6): multiples of 2**-9, rounded by the magic-number add
-        sub = ((v + 12582912.0) - 12582912.0) * (1.0 / 512.0)
-        return tl.where(tl.abs(q) < 0.015625, sub, normal)
 
     @triton.jit
     def _round_out(v, OUT_KIND: tl.constexpr, INTERP: tl.constexpr):
@@ -439,7 +430,7 @@ if HAVE_TRITON:
                 inv = ((254 - ex) << 23).to(tl.float32, bitcast=True)
                 q = tl.minimum(tl.maximum(h * inv[:, None], -448.0), 448.0)
                 if INTERP:
-                    q = _round_e4m3(q)
+                    q = round_e4m3(q)
                 tl.store(h_ptr + out_rows[:, None] * stride_h + offs_n[None, :], q.to(tl.float8e4nv),
                          mask=n_ok[None, :] & (out_rows[:, None] >= 0))
                 tl.store(hs_ptr + out_rows * stride_hs + pid_n, scale)
@@ -631,11 +622,13 @@ def used_blocks(al: Alignment, pairs: int) -> int:
     return min(al.max_rows // al.block_m, pairs)
 
 
-def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: list, w2: list,
+def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Optional[torch.Tensor], w13: list,
+                      w2: list,
                       w13_scale: Optional[list], w2_scale: Optional[list], expert_offset: int, kind: str,
                       alpha: float, limit: float, beta: float, num_experts: int,
                       config: Optional[dict] = None, single_expert: bool = False,
-                      shared: Optional[tuple] = None) -> torch.Tensor:
+                      shared: Optional[tuple] = None, selection: Optional[Selection] = None,
+                      x_fp8: Optional[tuple] = None) -> torch.Tensor:
     """sum over the pairs routed to these experts of weight * expert(x): float32 [T, H].
 
     single_expert: the caller's promise that there is one expert and every token
@@ -647,8 +640,18 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     its own width), and the result is eager's `routed.to(x.dtype) + shared(x)`,
     [T, H] in x.dtype. At decode sizes that halves the launches and lets the
     shared expert's tiles share the GPU with the routed ones instead of running
-    after them on a few SMs."""
+    after them on a few SMs.
+
+    selection: the router's logits instead of ids and weights (both None): the selection,
+    the shared slot and the alignment then run in one launch (kernels/moe_select_align.py),
+    where select_align_fits says one program takes them.
+
+    x_fp8: (x's FP8 values, its 1 x 128 scales) as minimax::quantize_fp8 gives them, made by the
+    caller (the router's logits kernel at decode sizes) for the Triton gate/up; the Gluon paths
+    (prefill sizes) quantize x into the experts' sorted order themselves and do not read it."""
     t, hidden = x.shape
+    if (selection is None) == (ids is None or weights is None):
+        raise ValueError("grouped_gated_mlp: pass ids and weights, or a selection instead of both")
     n_local = len(w13)
     n = w2[0].shape[1]
     fp8 = bool(w13_scale)
@@ -662,15 +665,16 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         # its id is num_experts, past every routed id (offset + n_local would be the next
         # rank's first expert); the alignment maps it to local expert n_local
         shared_id = num_experts
-        sid, sw = _shared_column(t, shared_id, x.device)
-        ids = torch.cat([ids, sid], dim=1)
-        weights = torch.cat([weights.to(torch.float32), sw], dim=1)
+        if selection is None:
+            sid, sw = _shared_column(t, shared_id, x.device)
+            ids = torch.cat([ids, sid], dim=1)
+            weights = torch.cat([weights.to(torch.float32), sw], dim=1)
         w13, w2 = [*w13, sh_w13], [*w2, sh_w2]
         if fp8:
             w13_scale, w2_scale = [*w13_scale, sh_w13_s], [*w2_scale, sh_w2_s]
         n_shared = sh_w2.shape[1]
-    k = ids.shape[1]
-    routed_k = k - (shared is not None)
+    routed_k = selection.top_k if selection is not None else ids.shape[1] - (shared is not None)
+    k = routed_k + (shared is not None)
     n_experts = len(w13)
     n_max = max(n, n_shared)
     cfg = config or tile_config(t, routed_k, num_experts, fp8, float32=x.dtype == torch.float32)
@@ -706,9 +710,14 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     align_m = moe_gluon.TRIO_BLOCK_M if trio else bm
     parts = align_m // bm  # the down kernel's 64-row blocks in each gate/up block
     if single_expert:
-        if n_local != 1 or k != 1 or expert_offset != 0:
-            raise ValueError("grouped_gated_mlp: single_expert needs one expert, k = 1 and offset 0")
+        if n_local != 1 or k != 1 or expert_offset != 0 or selection is not None:
+            raise ValueError("grouped_gated_mlp: single_expert needs one expert, k = 1, offset 0 and ids")
         al = single_expert_alignment(t, align_m, x.device)
+    elif selection is not None:
+        ids, weights, *layout = select_and_align(
+            selection.logits, selection.correction_bias, routed_k, selection.norm_topk_prob,
+            selection.routed_scaling, expert_offset, n_local, align_m, shared_id if shared is not None else -2)
+        al = Alignment(*layout, align_m)
     else:
         al = _align(ids, expert_offset, n_local, align_m, shared_id if shared is not None else -2)
     num_m = used_blocks(al, ids.numel())
@@ -725,6 +734,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         num_m = parts * num_m  # in 64-row blocks
     else:
         block_expert = _with_groups(al.block_expert, num_m, group_m, cfg.get("EXPERT_GROUPS", 0))
+    if x_fp8 is not None and not fp8:
+        raise ValueError("grouped_gated_mlp: x_fp8 given for BF16 experts")
     if gluon:
         # Hopper, FP8 prefill: the warp-specialized Gluon gate/up kernel (kernels/moe_gluon.py) loads
         # whole tiles by TMA, which cannot gather rows: x quantized straight into the sorted order
@@ -732,6 +743,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     elif bf16_gluon:  # the same for BF16, without the quantization
         xq = scatter_rows(x, al.pair_row, al.sorted_pair, rows, k, skip_padding_groups=True)
         xs = x.new_empty(1, 1, dtype=torch.float32)
+    elif x_fp8 is not None:
+        xq, xs = x_fp8
     elif fp8:
         # one Triton kernel on the GPU (bit-equal to the reference, tests/test_norm_quant_gpu.py)
         # instead of the reference's ~10 elementwise kernels: at decode sizes launches dominate
@@ -932,18 +945,38 @@ class TritonMoEWeights(MoEWeights):
         sh.w2_scale = [self.shared_w2_scale] if self.shared_w2_scale is not None else None
         return sh
 
-    def partial(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts) -> torch.Tensor:
-        merge = (self.shared and experts is triton_experts and x.shape[0] > 0 and self.n_local > 0
-                 and shared_in_grouped_launch(x.shape[0], ids.shape[1], self.num_experts, self.fp8,
-                                              x.dtype == torch.float32, self.w2[0].shape[1],
-                                              self.shared_w2.shape[1])
-                 and supported(x, self) and supported(x, self._shared_as_expert()))
-        if not merge:
-            return super().partial(x, ids, weights, experts)
+    def _merges_shared(self, x: torch.Tensor, experts) -> bool:
+        """Whether the shared expert runs in the routed experts' launches (kernels/moe_triton.py's
+        shared_in_grouped_launch, where both fit the kernels)."""
+        return (self.shared and experts is triton_experts and x.shape[0] > 0 and self.n_local > 0
+                and shared_in_grouped_launch(x.shape[0], self.top_k, self.num_experts, self.fp8,
+                                             x.dtype == torch.float32, self.w2[0].shape[1], self.shared_w2.shape[1])
+                and supported(x, self) and supported(x, self._shared_as_expert()))
+
+    def _grouped(self, x: torch.Tensor, ids, weights, selection=None, x_fp8=None) -> torch.Tensor:
         return grouped_gated_mlp(x, ids, weights, self.w13, self.w2, self.w13_scale, self.w2_scale,
                                  self.expert_offset, self.activation, self.alpha, self.limit, self.beta,
                                  self.num_experts, shared=(self.shared_w13, self.shared_w2,
-                                                           self.shared_w13_scale, self.shared_w2_scale))
+                                                           self.shared_w13_scale, self.shared_w2_scale),
+                                 selection=selection, x_fp8=x_fp8)
+
+    def block(self, x: torch.Tensor, experts) -> torch.Tensor:
+        """At decode sizes (moe_select=fused): the router's logits (and, for FP8 experts, x's
+        quantization in the same launch), then the selection, the shared slot and the alignment in
+        one launch (kernels/moe_select_align.py) before the GEMMs."""
+        if (kernel_options().moe_select == "fused" and route_mode() == "triton"
+                and kernel_options().moe_align == "triton" and route_fits(x, self.num_experts, self.top_k)
+                and select_align_fits(x.shape[0], self.top_k, self.num_experts, True)
+                and self._merges_shared(x, experts)):
+            logits, x_fp8 = router_logits_and_fp8(x, self.router_weight, quantize=self.fp8)
+            selection = Selection(logits, self.correction_bias, self.top_k, self.norm_topk_prob, self.routed_scaling)
+            return self._grouped(x, None, None, selection, x_fp8)
+        return super().block(x, experts)
+
+    def partial(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts) -> torch.Tensor:
+        if not self._merges_shared(x, experts):
+            return super().partial(x, ids, weights, experts)
+        return self._grouped(x, ids, weights)
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         sh = self._shared_as_expert()

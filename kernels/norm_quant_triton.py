@@ -153,6 +153,19 @@ if HAVE_TRITON:
         return y
 
     @triton.jit
+    def round_e4m3(q):
+        """float32 in [-448, 448] -> nearest E4M3 value (ties to even), kept in float32: what the
+        GPU's cvt.rn.satfinite does; the interpreter's own cast is off by an ulp at times (a value
+        rounded here first casts exactly there). Shared with kernels/moe_triton.py and
+        kernels/moe_route_triton.py."""
+        bits = q.to(tl.int32, bitcast=True)
+        lsb = (bits >> 20) & 1
+        normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
+        v = q * 512.0  # subnormals (|q| < 2**-6): multiples of 2**-9, rounded by the magic-number add
+        sub = ((v + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+        return tl.where(tl.abs(q) < 0.015625, sub, normal)
+
+    @triton.jit
     def quant_groups(y):
         """The 1 x G quantization of an [NG, G] float32 tile: (q, clamped to the FP8 range, still
         float32; scale [NG]). One power-of-two scale per group, 2 ** ceil(log2(amax / 448)),

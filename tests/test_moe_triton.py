@@ -33,8 +33,9 @@ from minimax_backend.kernels.options import override_kernel_options
 triton = pytest.importorskip("triton", reason="the Triton MoE path needs triton (pip install triton)")
 
 # The non-default MoE kernel switches (kernels/options.py), as option=value.
-OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch", "moe_gate_up=one_dot",
-                  "moe_gate_up=two_dots", "moe_group_m=4", "moe_group_m=0", "moe_expert_groups=4", "moe_gemm=auto"]
+OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch", "moe_select=separate",
+                  "moe_gate_up=one_dot", "moe_gate_up=two_dots", "moe_group_m=4", "moe_group_m=0",
+                  "moe_expert_groups=4", "moe_gemm=auto"]
 
 
 class _Launches:
@@ -63,7 +64,7 @@ def _switched(switch: str):
     import minimax_backend.kernels.moe_triton as kt
 
     name, value = switch.split("=")
-    grouped, sorted_in_torch, sorted_in_triton, routed, fits, gluon = [], [], [], [], [], []
+    grouped, sorted_in_torch, sorted_in_triton, routed, fits, gluon, selected = [], [], [], [], [], [], []
 
     def spy(record, real):
         def call(*args, **kwargs):
@@ -78,6 +79,7 @@ def _switched(switch: str):
         mp.setattr(kt, "align_by_expert", spy(sorted_in_torch, kt.align_by_expert))
         mp.setattr(kt, "align_with_triton", spy(sorted_in_triton, kt.align_with_triton))
         mp.setattr(kt, "route_triton", spy(routed, kt.route_triton))
+        mp.setattr(kt, "select_and_align", spy(selected, kt.select_and_align))
         mp.setattr(kt, "gluon_fits", spy(fits, kt.gluon_fits))
         mp.setattr(mg, "gate_up_act", spy(gluon, mg.gate_up_act))
         mp.setattr(mg, "gate_up_act_trio", spy(gluon, mg.gate_up_act_trio))
@@ -94,7 +96,9 @@ def _switched(switch: str):
         assert sorted_in_torch and not sorted_in_triton, \
             f"{switch}: torch sort {len(sorted_in_torch)} times, Triton alignment {len(sorted_in_triton)} times"
     elif name == "moe_route":
-        assert not routed, f"{switch}: the Triton route ran {len(routed)} times"
+        assert not routed and not selected, f"{switch}: the Triton selection ran {len(routed + selected)} times"
+    elif name == "moe_select":
+        assert not selected and sorted_in_triton, f"{switch}: {len(selected)} fused selections"
     elif name == "moe_shared":
         assert all(kw.get("shared") is None for kw, _ in grouped), f"{switch}: the shared expert joined a launch"
         assert any(kw.get("single_expert") for kw, _ in grouped), f"{switch}: the shared expert's own launch never ran"

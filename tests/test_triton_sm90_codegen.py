@@ -17,6 +17,7 @@ import inspect
 import re
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton", reason="needs triton (pip install triton)")
 
@@ -379,9 +380,13 @@ def test_moe_route_and_alignment_kernels_compile(moe):
                                      "E": "i32", "stride_l": "i32", "scaling": "fp32"},
                  dict(HAS_BIAS=True, NORM=True, K=4, BE=128), ["logits_ptr", "bias_ptr", "ids_ptr", "w_ptr"],
                  num_warps=1)
-    compile_sm90(rt._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "T": "i32", "E": "i32",
-                                     "H": "i32", "stride_x": "i32", "stride_w": "i32", "stride_o": "i32"},
-                 dict(BT=16, BE=1, BH=512), ["x_ptr", "w_ptr", "out_ptr"], num_warps=4)
+    # the decode logits, with x's FP8 quantization in the same launch (QUANT) and without
+    for quant in (False, True):
+        compile_sm90(rt._logits_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "q_ptr": "*fp8e4nv",
+                                         "s_ptr": "*fp32", "T": "i32", "E": "i32", "H": "i32", "stride_x": "i32",
+                                         "stride_w": "i32", "stride_o": "i32", "stride_q": "i32", "stride_s": "i32"},
+                     dict(BT=16, BE=1, BH=512, QUANT=quant, G=128), ["x_ptr", "w_ptr", "out_ptr", "q_ptr"],
+                     num_warps=4)
     # the prefill logits: three bf16 wgmma products per K step, the weight split in registers
     for bm, bn, bk, warps, stages in (rt.THREE_BF16_TILES, rt.THREE_BF16_NARROW_TILES):
         ptx, shared = compile_sm90(rt._logits_three_bf16_kernel,
@@ -414,6 +419,26 @@ def test_moe_route_and_alignment_kernels_compile(moe):
                  dict(PAIRS=320, P2=512, N_LOCAL=129, ROUTED=128, NB=256, BM=16, MAX_ROWS=2256, MAX_BLOCKS=141,
                       B2=256, FILL=1024), ["ids_ptr", "sorted_pair_ptr", "block_expert_ptr", "pair_row_ptr"],
                  num_warps=8)
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_moe_select_align_kernel_compiles_for_m3_decode(moe, tokens, tmp_path):
+    """The selection + shared slot + alignment in one program (kernels/moe_select_align.py) at M3's
+    128 experts, top-4 and the shared slot, as one_program_outputs sizes it; no register spills."""
+    from minimax_backend.kernels import moe_select_align as sa
+    from minimax_backend.kernels.moe_align_triton import one_program_outputs
+
+    _, constants, warps = one_program_outputs(tokens * 5, 128, 16, 128, torch.device("cpu"))
+    kernel = compiled_sm90(sa._select_align_kernel,
+                           {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32",
+                            "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32", "pair_row_ptr": "*i32",
+                            "E": "i32", "stride_l": "i32", "scaling": "fp32", "expert_offset": "i32",
+                            "shared_id": "i32"},
+                           dict(T=tokens, BT=triton.next_power_of_2(tokens), BE=128, HAS_BIAS=True, NORM=True,
+                                TOP_K=4, SHARED=True, **constants),
+                           ["logits_ptr", "bias_ptr", "ids_ptr", "w_ptr", "sorted_pair_ptr", "block_expert_ptr",
+                            "pair_row_ptr"], num_warps=warps)
+    assert local_memory_bytes(kernel, tmp_path) == 0
 
 
 # ------------------------------------------------------------ norm + quant
