@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover
     triton = tl = None
     HAVE_TRITON = False
 
+
 @dataclass
 class Selection:
     """The router's selection left to the alignment's launch: its logits and parameters in
