@@ -125,32 +125,37 @@ if HAVE_TRITON:
                        stride_s, BT: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, QUANT: tl.constexpr = False,
                        G: tl.constexpr = 128, INTERP: tl.constexpr = False):
         """logits[BT tokens, BE experts] = x . w in float32, products summed per lane over H
-        in steps of BH, then across the lanes. QUANT: the programs also write x's 1 x G FP8
-        quantization for the expert GEMMs (q, scales), group g by program g, g + programs, ..."""
+        in steps of BH, then across the lanes, by the first cdiv(E, BE) programs of axis 1.
+        QUANT: H / G more programs there, each writing one 1 x G group of x's FP8
+        quantization for the expert GEMMs (q, scales). Programs of their own rather than a
+        tail of the logits programs, so the launch lasts as long as its logits, not logits
+        plus a group."""
         rt = tl.program_id(0) * BT + tl.arange(0, BT)
-        re = tl.program_id(1) * BE + tl.arange(0, BE)
-        acc = tl.zeros((BT, BE, BH), tl.float32)
-        for h0 in range(0, H, BH):
-            rh = h0 + tl.arange(0, BH)
-            x = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_x + rh[None, :],
-                        mask=(rt[:, None] < T) & (rh[None, :] < H), other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + re[:, None].to(tl.int64) * stride_w + rh[None, :],
-                        mask=(re[:, None] < E) & (rh[None, :] < H), other=0.0).to(tl.float32)
-            acc += x[:, None, :] * w[None, :, :]
-        tl.store(out_ptr + rt[:, None] * stride_o + re[None, :], tl.sum(acc, axis=2),
-                 mask=(rt[:, None] < T) & (re[None, :] < E))
-        if QUANT:
+        expert_programs = tl.cdiv(E, BE)
+        if tl.program_id(1) < expert_programs:
+            re = tl.program_id(1) * BE + tl.arange(0, BE)
+            acc = tl.zeros((BT, BE, BH), tl.float32)
+            for h0 in range(0, H, BH):
+                rh = h0 + tl.arange(0, BH)
+                x = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_x + rh[None, :],
+                            mask=(rt[:, None] < T) & (rh[None, :] < H), other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + re[:, None].to(tl.int64) * stride_w + rh[None, :],
+                            mask=(re[:, None] < E) & (rh[None, :] < H), other=0.0).to(tl.float32)
+                acc += x[:, None, :] * w[None, :, :]
+            tl.store(out_ptr + rt[:, None] * stride_o + re[None, :], tl.sum(acc, axis=2),
+                     mask=(rt[:, None] < T) & (re[None, :] < E))
+        elif QUANT:
+            g = tl.program_id(1) - expert_programs
             rows = (rt < T)[:, None]
-            for g in range(tl.program_id(1), H // G, tl.num_programs(1)):
-                col = g * G + tl.arange(0, G)
-                v = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_x + col[None, :], mask=rows,
-                            other=0.0).to(tl.float32)
-                q, scale = quant_groups(v)
-                if INTERP:
-                    q = round_e4m3(q)  # the interpreter's cast rounds wrongly; an E4M3 value casts exactly
-                tl.store(q_ptr + rt[:, None].to(tl.int64) * stride_q + col[None, :],
-                         q.to(q_ptr.dtype.element_ty), mask=rows)
-                tl.store(s_ptr + rt.to(tl.int64) * stride_s + g, scale, mask=rt < T)
+            col = g * G + tl.arange(0, G)
+            v = tl.load(x_ptr + rt[:, None].to(tl.int64) * stride_x + col[None, :], mask=rows,
+                        other=0.0).to(tl.float32)
+            q, scale = quant_groups(v)
+            if INTERP:
+                q = round_e4m3(q)  # the interpreter's cast rounds wrongly; an E4M3 value casts exactly
+            tl.store(q_ptr + rt[:, None].to(tl.int64) * stride_q + col[None, :],
+                     q.to(q_ptr.dtype.element_ty), mask=rows)
+            tl.store(s_ptr + rt.to(tl.int64) * stride_s + g, scale, mask=rt < T)
 
 
     @triton.jit
@@ -324,7 +329,8 @@ def router_logits_and_fp8(x: torch.Tensor, router_weight: torch.Tensor, quantize
         s = torch.empty(t, h // FP8_GROUP, dtype=torch.float32, device=x.device)
     else:
         q = s = out  # not written
-    _logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be))](
+    groups = h // FP8_GROUP if quantize else 0  # one program each, after the experts'
+    _logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be) + groups)](
         x, router_weight, out, q, s, t, e, h, x.stride(0), router_weight.stride(0), out.stride(0),
         q.stride(0), s.stride(0), BT=bt, BE=be, BH=bh, QUANT=quantize, G=FP8_GROUP, INTERP=triton_interpreting(),
         num_warps=4,
