@@ -48,12 +48,14 @@ import torch.nn.functional as F
 
 from .fp8 import FP8_DTYPE
 from .interpreter import triton_interpreting
+from .launch_overlap import pdl_launch
 from .options import kernel_options
 
 try:
     import triton
     import triton.language as tl
 
+    from .launch_overlap import wait_then_release
     from .norm_quant_triton import quant_groups, round_e4m3
 
     HAVE_TRITON = True
@@ -123,13 +125,14 @@ if HAVE_TRITON:
     @triton.jit
     def _logits_kernel(x_ptr, w_ptr, out_ptr, q_ptr, s_ptr, T, E, H, stride_x, stride_w, stride_o, stride_q,
                        stride_s, BT: tl.constexpr, BE: tl.constexpr, BH: tl.constexpr, QUANT: tl.constexpr = False,
-                       G: tl.constexpr = 128, INTERP: tl.constexpr = False):
+                       G: tl.constexpr = 128, INTERP: tl.constexpr = False, PDL: tl.constexpr = False):
         """logits[BT tokens, BE experts] = x . w in float32, products summed per lane over H
         in steps of BH, then across the lanes, by the first cdiv(E, BE) programs of axis 1.
         QUANT: H / G more programs there, each writing one 1 x G group of x's FP8
         quantization for the expert GEMMs (q, scales). Programs of their own rather than a
         tail of the logits programs, so the launch lasts as long as its logits, not logits
-        plus a group."""
+        plus a group. PDL: kernels/launch_overlap.py."""
+        wait_then_release(PDL)
         rt = tl.program_id(0) * BT + tl.arange(0, BT)
         expert_programs = tl.cdiv(E, BE)
         if tl.program_id(1) < expert_programs:
@@ -311,10 +314,11 @@ def logits_kernel_fits(x: torch.Tensor, router_weight: torch.Tensor) -> bool:
     return x.shape[0] <= LOGITS_MAX_TOKENS and x.stride(1) == 1 and router_weight.stride(1) == 1
 
 
-def router_logits_and_fp8(x: torch.Tensor, router_weight: torch.Tensor, quantize: bool = True):
+def router_logits_and_fp8(x: torch.Tensor, router_weight: torch.Tensor, quantize: bool = True, overlap: bool = False):
     """(logits, (x_fp8, scales) or None): router_logits, and where the decode logits kernel runs and
     `quantize` asks, x's 1 x 128 FP8 quantization for the expert GEMMs written by the same launch
-    (bit for bit minimax::quantize_fp8's reference; kernels/norm_quant_triton.py:quant_groups)."""
+    (bit for bit minimax::quantize_fp8's reference; kernels/norm_quant_triton.py:quant_groups).
+    overlap: the decode kernel as a programmatic dependent launch (kernels/launch_overlap.py)."""
     t, h = x.shape
     e = router_weight.shape[0]
     if not logits_kernel_fits(x, router_weight):
@@ -333,7 +337,7 @@ def router_logits_and_fp8(x: torch.Tensor, router_weight: torch.Tensor, quantize
     _logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be) + groups)](
         x, router_weight, out, q, s, t, e, h, x.stride(0), router_weight.stride(0), out.stride(0),
         q.stride(0), s.stride(0), BT=bt, BE=be, BH=bh, QUANT=quantize, G=FP8_GROUP, INTERP=triton_interpreting(),
-        num_warps=4,
+        PDL=overlap, num_warps=4, **pdl_launch(overlap),
     )
     return out, ((q, s) if quantize else None)
 

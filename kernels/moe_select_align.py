@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from .launch_overlap import pdl_launch
 from .moe_align_triton import MAX_PAIRS, ONE_PROGRAM_PAIRS, one_program_outputs
 from .moe_route_triton import MAX_EXPERTS
 
@@ -36,6 +37,7 @@ try:
     import triton
     import triton.language as tl
 
+    from .launch_overlap import wait_then_release
     from .moe_align_triton import _align_pairs
     from .moe_route_triton import _select_rows
 
@@ -78,7 +80,9 @@ if HAVE_TRITON:
         TOP_K: tl.constexpr, SHARED: tl.constexpr,
         PAIRS: tl.constexpr, P2: tl.constexpr, N_LOCAL: tl.constexpr, ROUTED: tl.constexpr, NB: tl.constexpr,
         BM: tl.constexpr, MAX_ROWS: tl.constexpr, MAX_BLOCKS: tl.constexpr, B2: tl.constexpr, FILL: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        wait_then_release(PDL)  # kernels/launch_overlap.py
         slots: tl.constexpr = TOP_K + SHARED
         _select_rows(logits_ptr, bias_ptr, ids_ptr, w_ptr, 0, T, E, stride_l, slots, scaling,
                      HAS_BIAS, NORM, TOP_K, BT, BE)
@@ -93,10 +97,11 @@ if HAVE_TRITON:
 
 def select_and_align(logits: torch.Tensor, correction_bias: Optional[torch.Tensor], top_k: int,
                      norm_topk_prob: bool, routed_scaling: float, expert_offset: int, n_local: int,
-                     block_m: int, shared_id: int = -2):
+                     block_m: int, shared_id: int = -2, overlap: bool = False):
     """(ids int64 [T, k'], weights float32 [T, k'], sorted_pair, block_expert, pair_row) from the
     router's float32 logits [T, E]: k' = top_k, or top_k + 1 with the shared expert's slot
-    (shared_id >= 0: its id, weight 1) last; the alignment as kernels/moe_align_triton gives it."""
+    (shared_id >= 0: its id, weight 1) last; the alignment as kernels/moe_align_triton gives it.
+    overlap: a programmatic dependent launch (kernels/launch_overlap.py)."""
     t, e = logits.shape
     shared = shared_id >= 0
     if not select_align_fits(t, top_k, e, shared):
@@ -114,6 +119,6 @@ def select_and_align(logits: torch.Tensor, correction_bias: Optional[torch.Tenso
         logits, bias, ids, weights, *outputs, e, logits.stride(0), float(routed_scaling), int(expert_offset),
         int(shared_id), T=t, BT=triton.next_power_of_2(t), BE=triton.next_power_of_2(e),
         HAS_BIAS=correction_bias is not None, NORM=bool(norm_topk_prob), TOP_K=top_k, SHARED=shared,
-        **constants, num_warps=warps,
+        **constants, PDL=overlap, num_warps=warps, **pdl_launch(overlap),
     )
     return (ids, weights, *outputs)

@@ -83,11 +83,14 @@ from .moe_reference import MoEWeights, gated_mlp, local_experts_reference, moe_r
 from .moe_route_triton import route_fits, route_mode, route_triton, router_logits_and_fp8
 from .moe_select_align import Selection, select_align_fits, select_and_align
 from .norm_quant_triton import quantize_fp8_triton
+from .launch_overlap import overlap_launches, pdl_launch
 from .options import kernel_options
 
 try:  # optional: CPU installs use the reference only
     import triton
     import triton.language as tl
+
+    from .launch_overlap import wait_then_release
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover
@@ -378,8 +381,9 @@ if HAVE_TRITON:
         alpha, limit, beta, SHARED: tl.constexpr,
         ACT: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        ONE_DOT: tl.constexpr = False, GROUP_M: tl.constexpr = 0,
+        ONE_DOT: tl.constexpr = False, GROUP_M: tl.constexpr = 0, PDL: tl.constexpr = False,
     ):
+        wait_then_release(PDL)  # kernels/launch_overlap.py
         pid_m, pid_n = _tile_of(tl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
         e = tl.load(block_expert + pid_m)
         # N_HALF: this expert's intermediate width, N, or N_SHARED for the shared expert (SHARED:
@@ -475,7 +479,9 @@ if HAVE_TRITON:
         K: tl.constexpr, K_SHARED: tl.constexpr, SHARED: tl.constexpr,
         FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr, UPCAST: tl.constexpr,
         IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr = 0,
+        PDL: tl.constexpr = False,
     ):
+        wait_then_release(PDL)
         # K: a routed expert's intermediate width; SHARED: the last expert is the shared one,
         # K_SHARED wide (a TP slice can be narrower). The widths are compile-time constants:
         # they are the weights' row strides, and a runtime stride made the weight loads
@@ -515,7 +521,9 @@ if HAVE_TRITON:
 
     @triton.jit
     def _combine_kernel(y_ptr, pair_row, out_ptr, N, top_k: tl.constexpr, stride_y, stride_out,
-                        SHARED: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr, BN: tl.constexpr):
+                        SHARED: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr, BN: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        wait_then_release(PDL)
         # SHARED: slot top_k is the shared expert. The routed sum (float32) is rounded to the
         # model dtype first, then the shared expert's row added and rounded: eager's
         # `routed.to(x.dtype) + shared(x)`. Otherwise the float32 routed sum is written.
@@ -628,7 +636,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
                       alpha: float, limit: float, beta: float, num_experts: int,
                       config: Optional[dict] = None, single_expert: bool = False,
                       shared: Optional[tuple] = None, selection: Optional[Selection] = None,
-                      x_fp8: Optional[tuple] = None) -> torch.Tensor:
+                      x_fp8: Optional[tuple] = None, overlap: bool = False) -> torch.Tensor:
     """sum over the pairs routed to these experts of weight * expert(x): float32 [T, H].
 
     single_expert: the caller's promise that there is one expert and every token
@@ -648,7 +656,10 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
 
     x_fp8: (x's FP8 values, its 1 x 128 scales) as minimax::quantize_fp8 gives them, made by the
     caller (the router's logits kernel at decode sizes) for the Triton gate/up; the Gluon paths
-    (prefill sizes) quantize x into the experts' sorted order themselves and do not read it."""
+    (prefill sizes) quantize x into the experts' sorted order themselves and do not read it.
+
+    overlap: the Triton launches as programmatic dependent launches (kernels/launch_overlap.py;
+    the caller's choice, overlap_launches, taken at decode sizes)."""
     t, hidden = x.shape
     if (selection is None) == (ids is None or weights is None):
         raise ValueError("grouped_gated_mlp: pass ids and weights, or a selection instead of both")
@@ -716,7 +727,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
     elif selection is not None:
         ids, weights, *layout = select_and_align(
             selection.logits, selection.correction_bias, routed_k, selection.norm_topk_prob,
-            selection.routed_scaling, expert_offset, n_local, align_m, shared_id if shared is not None else -2)
+            selection.routed_scaling, expert_offset, n_local, align_m, shared_id if shared is not None else -2,
+            overlap=overlap)
         al = Alignment(*layout, align_m)
     else:
         al = _align(ids, expert_offset, n_local, align_m, shared_id if shared is not None else -2)
@@ -776,7 +788,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
             hidden, n, n_shared, k, n_experts, num_m, n_tiles, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
             float(alpha), float(limit), float(beta), shared is not None,
             ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn,
-            BK=bk, ONE_DOT=one_dot, GROUP_M=group_m, **launch,
+            BK=bk, ONE_DOT=one_dot, GROUP_M=group_m, PDL=overlap, **launch, **pdl_launch(overlap),
         )
     if gluon_down:
         # the Gluon down GEMM over the same 192-row blocks, in the gate/up's order
@@ -792,13 +804,14 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
             hidden, n_experts, num_m, n_tiles, h.stride(0), hs.stride(0), y.stride(0),
             K=n, K_SHARED=n_shared, SHARED=shared is not None,
             FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn_down, BK=bk,
-            GROUP_M=group_m, **down_launch,
+            GROUP_M=group_m, PDL=overlap, **down_launch, **pdl_launch(overlap),
         )
     out = torch.empty(t, hidden, dtype=out_dt if shared is not None else torch.float32, device=dev)
     cb = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)
     _combine_kernel[(t, triton.cdiv(hidden, cb))](
         y, al.pair_row, out, hidden, routed_k, y.stride(0), out.stride(0),
-        SHARED=shared is not None, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, BN=cb)
+        SHARED=shared is not None, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, BN=cb, PDL=overlap,
+        **pdl_launch(overlap))
     return out
 
 
@@ -953,24 +966,26 @@ class TritonMoEWeights(MoEWeights):
                                              x.dtype == torch.float32, self.w2[0].shape[1], self.shared_w2.shape[1])
                 and supported(x, self) and supported(x, self._shared_as_expert()))
 
-    def _grouped(self, x: torch.Tensor, ids, weights, selection=None, x_fp8=None) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, ids, weights, selection=None, x_fp8=None, overlap=False) -> torch.Tensor:
         return grouped_gated_mlp(x, ids, weights, self.w13, self.w2, self.w13_scale, self.w2_scale,
                                  self.expert_offset, self.activation, self.alpha, self.limit, self.beta,
                                  self.num_experts, shared=(self.shared_w13, self.shared_w2,
                                                            self.shared_w13_scale, self.shared_w2_scale),
-                                 selection=selection, x_fp8=x_fp8)
+                                 selection=selection, x_fp8=x_fp8, overlap=overlap)
 
     def block(self, x: torch.Tensor, experts) -> torch.Tensor:
         """At decode sizes (moe_select=fused): the router's logits (and, for FP8 experts, x's
         quantization in the same launch), then the selection, the shared slot and the alignment in
-        one launch (kernels/moe_select_align.py) before the GEMMs."""
+        one launch (kernels/moe_select_align.py) before the GEMMs; on sm_90 the five launches with
+        programmatic dependent launch (moe_overlap)."""
         if (kernel_options().moe_select == "fused" and route_mode() == "triton"
                 and kernel_options().moe_align == "triton" and route_fits(x, self.num_experts, self.top_k)
                 and select_align_fits(x.shape[0], self.top_k, self.num_experts, True)
                 and self._merges_shared(x, experts)):
-            logits, x_fp8 = router_logits_and_fp8(x, self.router_weight, quantize=self.fp8)
+            overlap = overlap_launches(x.device)  # the five launches with PDL (kernels/launch_overlap.py)
+            logits, x_fp8 = router_logits_and_fp8(x, self.router_weight, quantize=self.fp8, overlap=overlap)
             selection = Selection(logits, self.correction_bias, self.top_k, self.norm_topk_prob, self.routed_scaling)
-            return self._grouped(x, None, None, selection, x_fp8)
+            return self._grouped(x, None, None, selection, x_fp8, overlap)
         return super().block(x, experts)
 
     def partial(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts) -> torch.Tensor:

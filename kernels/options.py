@@ -29,6 +29,7 @@ environment, so a launcher sets the variables before it starts them.
 | moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~15-40 torch kernels instead of Triton (one program up to 512 token-expert pairs, chunks of pairs in two launches past them) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
 | moe_select       | MINIMAX_MOE_SELECT       | fused   | fused, separate                  | fused: at decode sizes the router's logits launch also quantizes x for the expert GEMMs, and the selection, the shared expert's slot and the alignment run in one launch; separate: a quantization kernel, the selection kernel, two torch.cat and the alignment kernel |
+| moe_overlap      | MINIMAX_MOE_OVERLAP      | auto    | auto, off                        | auto: on sm_90 and later the decode MoE's launches (logits, selection + alignment, gate/up, down, combine) are programmatic dependent launches, each scheduled while the one before finishes (kernels/launch_overlap.py); off: plain launches |
 | moe_router_logits | MINIMAX_MOE_ROUTER_LOGITS | auto  | auto, cublas                     | the router's float32 logits above decode sizes: auto = three bf16 tensor-core products of bf16 rows (the weight split exactly into bf16 parts), cublas = cuBLAS on the rows cast to float32 |
 | moe_shared       | MINIMAX_MOE_SHARED       | merged  | merged, separate                 | separate: the shared expert in its own launches instead of inside the routed ones |
 | gemm_rs_fused    | MINIMAX_GEMM_RS_FUSED    | 1       | 1, 0                             | 0: every GEMM + reduce-scatter as matmul + NCCL, never the overlapped kernel |
@@ -43,7 +44,7 @@ what the kernels choose by shape (figures: docs/measurements/2026-11-30.md,
 "MoE layer" and "GEMM + reduce-scatter"; the rules they back:
 docs/kernel-notes.md). Who runs them:
 
-* moe_align / moe_route / moe_shared / moe_select = the non-default value: the MoE GPU tests
+* moe_align / moe_route / moe_shared / moe_select / moe_overlap = the non-default value: the MoE GPU tests
   and the interpreter tests of tests/test_moe_triton.py, each one;
 * gemm_rs_schedule and gemm_rs_push: both values in the CPU schedule test
   (tests/test_gemm_rs_kernel.py) and the 2-GPU tests; gemm_rs_pieces 1, 2, 3
@@ -173,6 +174,10 @@ class KernelOptions:
         "expert GEMMs, and the selection, the shared expert's slot and the alignment run in one launch; separate: "
         "a quantization kernel, the selection kernel, two torch.cat and the alignment kernel",
         choices=("fused", "separate"))
+    moe_overlap: str = _switch(
+        "MINIMAX_MOE_OVERLAP", "auto", "auto: on sm_90 and later the decode MoE's launches (logits, selection + "
+        "alignment, gate/up, down, combine) are programmatic dependent launches, each scheduled while the one before "
+        "finishes; off: plain launches", choices=("auto", "off"))
     moe_router_logits: str = _switch(
         "MINIMAX_MOE_ROUTER_LOGITS", "auto", "the router's float32 logits above decode sizes: auto = three bf16 "
         "tensor-core products of bf16 rows (the weight split exactly into bf16 parts), cublas = cuBLAS on the rows "

@@ -16,7 +16,7 @@ from minimax_backend.kernels.options import KernelOptions, kernel_options, overr
 DEFAULTS = {
     "moe_kernel": "triton", "moe_tiles": None, "moe_gate_up": "auto", "moe_group_m": None,
     "moe_expert_groups": None, "moe_gemm": "auto", "moe_down": "auto", "moe_align": "triton", "moe_route": "triton",
-    "moe_select": "fused", "moe_router_logits": "auto", "moe_shared": "merged",
+    "moe_select": "fused", "moe_overlap": "auto", "moe_router_logits": "auto", "moe_shared": "merged",
     "gemm_rs_fused": True, "gemm_rs_schedule": "auto", "gemm_rs_push": "copy", "gemm_rs_pieces": None,
     "fp8_gemm": "auto", "allreduce_norm": "unfused",
 }
@@ -33,7 +33,7 @@ def test_every_variable_is_read():
            "MINIMAX_MOE_GROUP_M": "4", "MINIMAX_MOE_EXPERT_GROUPS": "8", "MINIMAX_MOE_GEMM": "gluon",
            "MINIMAX_MOE_DOWN": "triton", "MINIMAX_MOE_ALIGN": "torch",
            "MINIMAX_MOE_ROUTE": "torch", "MINIMAX_MOE_ROUTER_LOGITS": "cublas", "MINIMAX_MOE_SHARED": "separate",
-           "MINIMAX_MOE_SELECT": "separate", "MINIMAX_GEMM_RS_FUSED": "0",
+           "MINIMAX_MOE_SELECT": "separate", "MINIMAX_MOE_OVERLAP": "off", "MINIMAX_GEMM_RS_FUSED": "0",
            "MINIMAX_GEMM_RS_SCHEDULE": "sum_after", "MINIMAX_GEMM_RS_PUSH": "store", "MINIMAX_GEMM_RS_PIECES": "3",
            "MINIMAX_FP8_GEMM": "scaled_mm", "MINIMAX_ALLREDUCE_NORM": "symm_mem", "MINIMAX_SOMETHING_ELSE": "ignored"}
     opts = KernelOptions.from_env(env)
@@ -41,7 +41,7 @@ def test_every_variable_is_read():
         "moe_kernel": "reference", "moe_tiles": [64, 128, 64, 4, 3], "moe_gate_up": "one_dot", "moe_group_m": 4,
         "moe_expert_groups": 8, "moe_gemm": "gluon", "moe_down": "triton", "moe_align": "torch",
         "moe_route": "torch", "moe_router_logits": "cublas",
-        "moe_shared": "separate", "moe_select": "separate", "gemm_rs_fused": False, "gemm_rs_schedule": "sum_after", "gemm_rs_push": "store",
+        "moe_shared": "separate", "moe_select": "separate", "moe_overlap": "off", "gemm_rs_fused": False, "gemm_rs_schedule": "sum_after", "gemm_rs_push": "store",
         "gemm_rs_pieces": 3, "fp8_gemm": "scaled_mm", "allreduce_norm": "symm_mem",
     }
     assert opts.moe_tiles == (64, 128, 64, 4, 3)  # a tuple: the instance is hashable and frozen

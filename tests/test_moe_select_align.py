@@ -5,6 +5,8 @@ the shared slot and the alignment in another (kernels/moe_select_align.py).
 Against the separate launches they replace (the quantization kernel; the selection kernel,
 torch.cat of the shared slot, the one-program alignment) and the torch route. On CPU the kernels run in a TRITON_INTERPRET=1
 child (test_in_interpreter_child); the `gpu` tests compile them.
+On sm_90 the decode launches are programmatic dependent launches (kernels/launch_overlap.py):
+the last test checks they are, with the same bits as plain launches.
 """
 
 from __future__ import annotations
@@ -201,3 +203,51 @@ def test_the_op_runs_the_one_launch_at_decode(interp, fp8, tokens, monkeypatch):
     out = out.float()
     err = ((out - ref).norm() / ref.norm()) if fp8 else ((out - ref).abs().max() / ref.abs().max())
     assert err <= (0.03 if fp8 else 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8, tokens", [(True, 1), (True, 5), (False, 3)])
+def test_gpu_decode_launches_overlap_by_default(fp8, tokens):
+    """On sm_90 the decode layer's launches are programmatic dependent launches
+    (kernels/launch_overlap.py), with the same bits as moe_overlap=off's plain launches, one call
+    after another as in a CUDA graph's replay (a kernel that read too early would differ)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs an sm_90 GPU")
+    import minimax_backend.kernels.moe_triton as kt
+    from conftest import tiny_m3_config
+    from minimax_backend.kernels import moe as K
+    from minimax_backend.kernels import moe_parallel as P
+    from minimax_backend.model.minimax import init_random_weights
+    from minimax_backend.model.moe import MoE
+    from minimax_backend.model.parallel import ParallelState
+
+    cfg = tiny_m3_config(swiglu_limit=0.75)
+    blk = MoE(cfg, ParallelState.single(), "model.layers.0.block_sparse_moe", dtype=torch.bfloat16, device="cuda",
+              fp8=fp8)
+    blk.config = cfg
+    init_random_weights(blk, seed=0).eval()
+    xs = [torch.randn(tokens, cfg.hidden_size, device="cuda").to(torch.bfloat16) for _ in range(4)]
+    args = K.block_op_args(blk)
+    outs = {}
+    for overlap in ("auto", "off"):
+        combine = []
+        real = kt._combine_kernel
+
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    combine.append(kw)
+                    return real[grid](*a, **kw)
+                return launch
+
+        kt._combine_kernel = Spy()
+        try:
+            with override_kernel_options(moe_overlap=overlap):
+                outs[overlap] = [P.mega_moe_reference(x, *args, "", 1, False, False, tokens, "allgather",
+                                                      experts=kt.triton_experts, weights_cls=kt.TritonMoEWeights)
+                                 for x in xs]
+        finally:
+            kt._combine_kernel = real
+        assert combine and all(kw.get("launch_pdl", False) == (overlap == "auto") for kw in combine), overlap
+    for a, b in zip(outs["auto"], outs["off"]):
+        assert torch.equal(a, b)

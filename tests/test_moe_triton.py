@@ -33,7 +33,7 @@ from minimax_backend.kernels.options import override_kernel_options
 triton = pytest.importorskip("triton", reason="the Triton MoE path needs triton (pip install triton)")
 
 # The non-default MoE kernel switches (kernels/options.py), as option=value.
-OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch", "moe_select=separate",
+OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch", "moe_select=separate", "moe_overlap=off",
                   "moe_gate_up=one_dot", "moe_gate_up=two_dots", "moe_group_m=4", "moe_group_m=0",
                   "moe_expert_groups=4", "moe_gemm=auto"]
 
@@ -107,6 +107,9 @@ def _switched(switch: str):
     elif name == "moe_group_m":
         launches = gate_up.kwargs + down.kwargs
         assert launches and all(kw["GROUP_M"] == int(value) for kw in launches), switch
+    elif name == "moe_overlap":  # the default takes PDL on sm_90 (tests/test_moe_select_align.py)
+        launches = gate_up.kwargs + down.kwargs
+        assert launches and not any(kw.get("PDL") or kw.get("launch_pdl") for kw in launches), switch
     elif name == "moe_expert_groups":
         launches = gate_up.kwargs + down.kwargs
         assert launches and all(kw["GROUP_M"] == -1 for kw in launches), switch

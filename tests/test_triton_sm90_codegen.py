@@ -149,6 +149,22 @@ def test_moe_gate_up_kernel_loads_weights_in_16_byte_copies(moe, bm, shared):
     assert shared <= H200_SHARED_BYTES
 
 
+def test_decode_kernels_wait_then_release_under_pdl(moe):
+    """PDL=True (kernels/launch_overlap.py): the gate/up and down kernels open with
+    griddepcontrol.wait, then launch_dependents; PDL=False has neither."""
+    gate_up = dict(FP8, K=6144, ACT=0, BM=16, BN=128, SHARED=True)
+    down = dict(FP8, K=3072, K_SHARED=3072, SHARED=True, BM=16, BN=64)
+    for fn, sig, consts, aligned in ((moe._gate_up_act_kernel, GATE_UP_SIG, gate_up, GATE_UP_ALIGNED),
+                                     (moe._down_kernel, DOWN_SIG, down, DOWN_ALIGNED)):
+        with_pdl, _ = compile_sm90(fn, sig, {**consts, "PDL": True}, aligned, num_warps=4, num_stages=3,
+                                   launch_pdl=True)
+        wait, release = with_pdl.find("griddepcontrol.wait"), with_pdl.find("griddepcontrol.launch_dependents")
+        assert 0 <= wait < release, fn.__name__
+        assert wait < with_pdl.find("ld.global"), fn.__name__  # nothing read before the wait
+        plain, _ = compile_sm90(fn, sig, consts, aligned, num_warps=4, num_stages=3)
+        assert "griddepcontrol" not in plain, fn.__name__
+
+
 BF16 = dict(FP8=False, OUT_KIND=1, INTERP=False, UPCAST=False, IEEE=False, BK=64)
 
 
