@@ -1,15 +1,18 @@
-"""The decode MoE layer with its routing launches fused (moe_select=fused) against separate (one GPU, ~1 minute).
+"""The decode MoE layer with its routing launches fused (moe_select=fused) against separate, and with its
+launches overlapped (moe_overlap=auto, PDL) against plain (one GPU, ~1 minute).
 
     python -m minimax_backend.tools.bench_moe_select --json select.json
 
-fused     the router's logits launch also quantizes x for the expert GEMMs (FP8), and the
-          top-k selection, the shared expert's slot and the expert alignment run in one launch
-          (kernels/moe_select_align.py); taken up to select_align_fits' token count
-separate  a quantization kernel, the selection kernel, two torch.cat and the alignment kernel
+fused        the router's logits launch also quantizes x for the expert GEMMs (FP8), and the
+             top-k selection, the shared expert's slot and the expert alignment run in one
+             launch (kernels/moe_select_align.py), up to select_align_fits' token count; on
+             sm_90 the five launches are programmatic dependent launches (kernels/launch_overlap.py)
+fused_plain  the same with moe_overlap=off: plain launches
+separate     a quantization kernel, the selection kernel, two torch.cat and the alignment kernel
 
-Both run the whole mega_moe op at M3 sizes, each as CUDA-graph replays of `--calls`
+Each runs the whole mega_moe op at M3 sizes, each as CUDA-graph replays of `--calls`
 back-to-back calls, timed in alternating rounds (interleaved_median_ms), so a drift of the
-card's clocks reaches both alike. The two outputs must be bit-equal: a difference is an error,
+card's clocks reaches all alike. The outputs must be bit-equal: a difference is an error,
 not a column. floor_us is the weight-read floor: the experts the batch touches plus the shared
 expert, read once at the copy bandwidth measured in the same run.
 
@@ -25,6 +28,8 @@ import argparse
 import torch
 
 TOKENS = (1, 4, 16, 64)
+FORMS = {"separate": {"moe_select": "separate"}, "fused_plain": {"moe_select": "fused", "moe_overlap": "off"},
+         "fused": {"moe_select": "fused", "moe_overlap": "auto"}}
 
 
 def _forms(x, w_args, tokens: int, calls: int, device):
@@ -33,16 +38,16 @@ def _forms(x, w_args, tokens: int, calls: int, device):
     from minimax_backend.tools.bench_common import graphed
 
     forms, outputs = {}, {}
-    for form in ("separate", "fused"):
-        with override_kernel_options(moe_select=form):
+    for form, options in FORMS.items():
+        with override_kernel_options(**options):
             def layer():
                 return torch.ops.minimax.mega_moe(x, *w_args, "", 1, False, False, tokens, "allgather")
 
             if device.type == "cuda":
                 forms[form] = graphed(layer, calls)  # options are read while capturing
             else:
-                def layer_now(layer=layer, form=form):
-                    with override_kernel_options(moe_select=form):
+                def layer_now(layer=layer, options=options):
+                    with override_kernel_options(**options):
                         return layer()
 
                 forms[form] = layer_now
@@ -86,10 +91,11 @@ def main(argv=None) -> None:
             x = torch.randn(tokens, cfg.hidden_size, device=device, generator=gen).to(torch.bfloat16)
             with torch.no_grad():
                 forms, outputs = _forms(x, w_args, tokens, calls, device)
-                if not torch.equal(outputs["fused"], outputs["separate"]):
-                    diff = (outputs["fused"].float() - outputs["separate"].float()).abs().max().item()
-                    raise SystemExit(f"{precision} at {tokens} tokens: fused and separate outputs differ "
-                                     f"(max abs {diff:.3g}); they must be bit-equal")
+                for form in ("fused_plain", "fused"):
+                    if not torch.equal(outputs[form], outputs["separate"]):
+                        diff = (outputs[form].float() - outputs["separate"].float()).abs().max().item()
+                        raise SystemExit(f"{precision} at {tokens} tokens: {form} and separate outputs differ "
+                                         f"(max abs {diff:.3g}); they must be bit-equal")
                 ms = interleaved_median_ms(forms, warmup=2, repeats=args.repeats, lead_in=1)
                 ids, _ = blk_route(blk, x)
             touched = len(torch.unique(ids[(ids >= blk.first_expert) & (ids < blk.first_expert + len(blk.experts))]))
@@ -97,8 +103,9 @@ def main(argv=None) -> None:
             row = {"precision": precision, "tokens": tokens,
                    "fused_taken": select_align_fits(tokens, cfg.num_experts_per_tok, cfg.num_local_experts,
                                                     cfg.n_shared_experts > 0),
-                   "separate_us": ms["separate"] * 1e3 / calls, "fused_us": ms["fused"] * 1e3 / calls}
+                   **{f"{form}_us": ms[form] * 1e3 / calls for form in FORMS}}
             row["fused_over_separate"] = row["fused_us"] / row["separate_us"]
+            row["fused_over_plain"] = row["fused_us"] / row["fused_plain_us"]
             row["floor_us"] = floor_us
             row["fused_over_floor"] = row["fused_us"] / floor_us
             rows.append(row)
@@ -106,7 +113,8 @@ def main(argv=None) -> None:
         del blk, w_args
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    cols = ["precision", "tokens", "fused_taken", "separate_us", "fused_us", "fused_over_separate",
+    cols = ["precision", "tokens", "fused_taken", "separate_us", "fused_plain_us", "fused_us", "fused_over_separate",
+            "fused_over_plain",
             "floor_us", "fused_over_floor"]
     table = print_table(rows, cols, title=f"\nMoE layer at decode sizes, preset {preset}: us per call "
                                           f"(medians of {args.repeats} alternating rounds); outputs bit-equal")

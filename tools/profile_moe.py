@@ -15,7 +15,11 @@ kernels, GEMMs 141 of 288 us at first; 11 kernels, GEMMs 82 of 115 us after
 the decode kernels; README "MoE layer"). The kernel switches
 (kernels/options.py: MINIMAX_MOE_ALIGN, MINIMAX_MOE_ROUTE, MINIMAX_MOE_SHARED,
 MINIMAX_MOE_TILES, ...; read once, when the process starts using the
-kernels) apply, so a change can be compared in one call.
+kernels) apply, so a change can be compared in one call. On sm_90 the decode
+kernels are programmatic dependent launches (moe_overlap=auto): each kernel's
+span then starts while its predecessor runs and includes the wait, so the spans
+overlap and their sum exceeds the call; MINIMAX_MOE_OVERLAP=off gives each
+kernel's own time.
 
 On the CPU (no graphs) the profiler records CPU ops instead; the numbers
 only check the script.
@@ -81,6 +85,9 @@ def main(argv=None) -> None:
         print(f"\n== {args.precision} {tokens} tokens: call {r['call_us']:.1f} us, kernels "
               f"{r['kernel_us_per_call']:.1f} us in {r['kernels_per_call']:.0f} launches per call", flush=True)
         print_table(r["top"], ["us_per_call", "launches_per_call", "share", "name"])
+        if r["kernel_us_per_call"] > r["call_us"]:
+            print("(the kernels' spans overlap: programmatic dependent launches, moe_overlap=auto; "
+                  "MINIMAX_MOE_OVERLAP=off for each kernel's own time)", flush=True)
     if args.json:
         write_json(args.json, {"benchmark": "moe_profile", "preset": args.preset, "precision": args.precision,
                                "device": str(device), "calls": args.calls,
