@@ -40,8 +40,10 @@ def overlap_launches(device: torch.device) -> bool:
 
 
 def pdl_launch(on: bool) -> dict:
-    """The launch keyword that asks Triton for a programmatic dependent launch."""
-    return {"launch_pdl": True} if on else {}
+    """The launch keywords of a kernel that opens with wait_then_release(PDL): its PDL switch and
+    Triton's programmatic dependent launch, always together (a PDL launch of a kernel that does
+    not wait first could read its predecessor's output early); nothing when off."""
+    return {"PDL": True, "launch_pdl": True} if on else {}
 
 
 if HAVE_TRITON:

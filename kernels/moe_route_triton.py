@@ -337,7 +337,7 @@ def router_logits_and_fp8(x: torch.Tensor, router_weight: torch.Tensor, quantize
     _logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be) + groups)](
         x, router_weight, out, q, s, t, e, h, x.stride(0), router_weight.stride(0), out.stride(0),
         q.stride(0), s.stride(0), BT=bt, BE=be, BH=bh, QUANT=quantize, G=FP8_GROUP, INTERP=triton_interpreting(),
-        PDL=overlap, num_warps=4, **pdl_launch(overlap),
+        num_warps=4, **pdl_launch(overlap),
     )
     return out, ((q, s) if quantize else None)
 

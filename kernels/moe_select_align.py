@@ -119,6 +119,6 @@ def select_and_align(logits: torch.Tensor, correction_bias: Optional[torch.Tenso
         logits, bias, ids, weights, *outputs, e, logits.stride(0), float(routed_scaling), int(expert_offset),
         int(shared_id), T=t, BT=triton.next_power_of_2(t), BE=triton.next_power_of_2(e),
         HAS_BIAS=correction_bias is not None, NORM=bool(norm_topk_prob), TOP_K=top_k, SHARED=shared,
-        **constants, PDL=overlap, num_warps=warps, **pdl_launch(overlap),
+        **constants, num_warps=warps, **pdl_launch(overlap),
     )
     return (ids, weights, *outputs)

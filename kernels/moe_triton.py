@@ -72,6 +72,7 @@ import torch
 from . import moe_gluon
 from .fp8 import FP8_DTYPE, quantize_fp8_reference
 from .interpreter import triton_interpreting as _interpreting
+from .launch_overlap import overlap_launches, pdl_launch
 from .moe import mega_moe, moe
 from .moe_align_triton import align_with_triton
 from .moe_expert_groups import expert_group_table
@@ -83,7 +84,6 @@ from .moe_reference import MoEWeights, gated_mlp, local_experts_reference, moe_r
 from .moe_route_triton import route_fits, route_mode, route_triton, router_logits_and_fp8
 from .moe_select_align import Selection, select_align_fits, select_and_align
 from .norm_quant_triton import quantize_fp8_triton
-from .launch_overlap import overlap_launches, pdl_launch
 from .options import kernel_options
 
 try:  # optional: CPU installs use the reference only
@@ -91,6 +91,7 @@ try:  # optional: CPU installs use the reference only
     import triton.language as tl
 
     from .launch_overlap import wait_then_release
+    from .norm_quant_triton import round_e4m3
 
     HAVE_TRITON = True
 except ImportError:  # pragma: no cover
@@ -244,7 +245,6 @@ def _table(tensors, aligned: bool = True) -> torch.Tensor:
 
 # ------------------------------------------------------------------ kernels
 if HAVE_TRITON:
-    from .norm_quant_triton import round_e4m3
 
     @triton.jit
     def _round_bf16(v):
@@ -788,7 +788,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
             hidden, n, n_shared, k, n_experts, num_m, n_tiles, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
             float(alpha), float(limit), float(beta), shared is not None,
             ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn,
-            BK=bk, ONE_DOT=one_dot, GROUP_M=group_m, PDL=overlap, **launch, **pdl_launch(overlap),
+            BK=bk, ONE_DOT=one_dot, GROUP_M=group_m, **launch, **pdl_launch(overlap),
         )
     if gluon_down:
         # the Gluon down GEMM over the same 192-row blocks, in the gate/up's order
@@ -804,13 +804,13 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
             hidden, n_experts, num_m, n_tiles, h.stride(0), hs.stride(0), y.stride(0),
             K=n, K_SHARED=n_shared, SHARED=shared is not None,
             FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn_down, BK=bk,
-            GROUP_M=group_m, PDL=overlap, **down_launch, **pdl_launch(overlap),
+            GROUP_M=group_m, **down_launch, **pdl_launch(overlap),
         )
     out = torch.empty(t, hidden, dtype=out_dt if shared is not None else torch.float32, device=dev)
     cb = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)
     _combine_kernel[(t, triton.cdiv(hidden, cb))](
         y, al.pair_row, out, hidden, routed_k, y.stride(0), out.stride(0),
-        SHARED=shared is not None, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, BN=cb, PDL=overlap,
+        SHARED=shared is not None, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, BN=cb,
         **pdl_launch(overlap))
     return out
 

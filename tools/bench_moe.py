@@ -212,11 +212,7 @@ def _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs
                 row["ours_graph_ms"] = timed(ours_graph)
                 if torch_experts is not None:
                     row["torch_gmm_graph_ms"] = timed(graphed(torch_gmm))
-            # decode floor: the local experts this batch touches (+ the shared slice), read once
-            ids, _ = blk_route(blk, x)
-            first = blk.first_expert
-            touched = len(torch.unique(ids[(ids >= first) & (ids < first + len(blk.experts))]))
-        weight_bytes = touched * routed_bytes + shared_bytes
+            weight_bytes = touched_weight_bytes(blk, x, routed_bytes, shared_bytes)
         floor_us = weight_bytes / (copy_gbs * 1e3)
         layer_flops = flops(tokens, hidden, inter, k, cfg.shared_intermediate_size)
         best = min(v for v in (row["ours_ms"], row.get("ours_graph_ms")) if v)
@@ -277,6 +273,14 @@ def _plain_gemm_tflops(device: torch.device, fn, flops: float) -> float:
 
     ms = graph_median_ms(fn) if device.type == "cuda" else median_ms(fn, warmup=1, repeats=3)
     return flops / (ms * 1e-3) / 1e12
+
+
+def touched_weight_bytes(blk, x, routed_bytes: int, shared_bytes: int) -> int:
+    """The decode floor's bytes: the local experts this batch routes to (+ the shared slice), read once."""
+    ids, _ = blk_route(blk, x)
+    first = blk.first_expert
+    touched = len(torch.unique(ids[(ids >= first) & (ids < first + len(blk.experts))]))
+    return touched * routed_bytes + shared_bytes
 
 
 def blk_route(blk, x):

@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     from minimax_backend.kernels.moe import block_op_args
     from minimax_backend.kernels.moe_select_align import select_align_fits
     from minimax_backend.tools.bench_common import copy_bandwidth_gbs, interleaved_median_ms, print_table, write_json
-    from minimax_backend.tools.bench_moe import _expert_bytes, blk_route, build_block
+    from minimax_backend.tools.bench_moe import _expert_bytes, build_block, touched_weight_bytes
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     preset = "tiny-m3" if args.dry_run else "m3"
@@ -97,9 +97,7 @@ def main(argv=None) -> None:
                         raise SystemExit(f"{precision} at {tokens} tokens: {form} and separate outputs differ "
                                          f"(max abs {diff:.3g}); they must be bit-equal")
                 ms = interleaved_median_ms(forms, warmup=2, repeats=args.repeats, lead_in=1)
-                ids, _ = blk_route(blk, x)
-            touched = len(torch.unique(ids[(ids >= blk.first_expert) & (ids < blk.first_expert + len(blk.experts))]))
-            floor_us = (touched * routed_bytes + shared_bytes) / (copy_gbs * 1e3)
+                floor_us = touched_weight_bytes(blk, x, routed_bytes, shared_bytes) / (copy_gbs * 1e3)
             row = {"precision": precision, "tokens": tokens,
                    "fused_taken": select_align_fits(tokens, cfg.num_experts_per_tok, cfg.num_local_experts,
                                                     cfg.n_shared_experts > 0),
@@ -114,8 +112,7 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     cols = ["precision", "tokens", "fused_taken", "separate_us", "fused_plain_us", "fused_us", "fused_over_separate",
-            "fused_over_plain",
-            "floor_us", "fused_over_floor"]
+            "fused_over_plain", "floor_us", "fused_over_floor"]
     table = print_table(rows, cols, title=f"\nMoE layer at decode sizes, preset {preset}: us per call "
                                           f"(medians of {args.repeats} alternating rounds); outputs bit-equal")
     if args.json:
