@@ -25,6 +25,11 @@ model/moe.py with random weights; with --gpus N it is split N ways (EP = TP
     *_graph    the same call captured in a CUDA graph and replayed (what the
                backend does per token bucket); the eager loop cannot be
                captured (it syncs on routed-token counts)
+    ours_b2b   up to --b2b-max-tokens tokens: 20 calls back to back in one
+               graph, per call, as a decode step's graph runs its layers (one
+               graph launch for all of them, each call's first kernel
+               following the last call's); ours_b2b_over_floor is the decode
+               floor's ratio for it
 
 Columns: median milliseconds (CUDA events, after warm-up, all ranks started
 together), ours' speedup over torch_gmm and eager (graph replays where both
@@ -33,8 +38,10 @@ the rate of ONE plain GEMM with the layer's total rows and K measured in the
 same run (torch._scaled_mm with block scales in FP8, torch.mm in BF16) and
 ours as a fraction of it, the decode floor (bytes of the experts the batch
 touches on this rank, read once at the copy bandwidth measured in the same
-run) and ours over it, and the max error of ours and torch_gmm relative to
-the eager output's largest value.
+run) and ours over it, the bound (the larger of the layer's FLOPs at the
+plain GEMM's rate and the decode floor: no kernel can beat either, and at
+4096 tokens the two are close) and ours over it, and the max error of ours
+and torch_gmm relative to the eager output's largest value.
 
 Targets (issue 7): ours >= 1.3x torch_gmm at 1-512 tokens and >= 1.1x at
 4096+; decode (1-64 tokens) within 2x of the weight-read floor. FP8 eager
@@ -58,6 +65,7 @@ from minimax_backend.tools.gpu_power import seconds_arg
 from minimax_backend.tools.torch_baseline import TorchGrouped
 
 DEFAULT_TOKENS = [1, 4, 16, 64, 128, 512, 1024, 4096, 8192, 16384]
+B2B_CALLS = 20  # calls per graph in the back-to-back column (as bench_moe_select)
 
 
 # ------------------------------------------------------------------ timing
@@ -148,7 +156,8 @@ def job(rank: int, world: int, args) -> None:
         cols = ["precision", "tokens", "eager_ms", "torch_gmm_ms", "torch_gmm_graph_ms", "ours_ms", "ours_graph_ms",
                 *(["ours_alltoall_ms"] if world > 1 else []),
                 "x_vs_torch_gmm", "x_vs_eager", "ours_tflops", "plain_gemm_tflops", "frac_of_gemm", "ours_gbs",
-                "floor_us", "ours_over_floor", "err_ours", "err_torch_gmm"]
+                "floor_us", "ours_over_floor", "bound_us", "ours_over_bound", "ours_b2b_ms", "ours_b2b_over_floor",
+                "err_ours", "err_torch_gmm"]
         table = print_table(rows, cols, title=f"MoE layer, preset {args.preset}, EP {world} "
                                                f"({'per GPU' if world > 1 else 'one GPU'}), medians of {args.repeats}")
         if args.sustained:
@@ -167,7 +176,7 @@ def _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs
     """The rows of one precision, appended to `rows`."""
     from minimax_backend.kernels.moe import block_op_args, flops
     from minimax_backend.kernels.moe_parallel import mega_moe_reference, shard_rows
-    from minimax_backend.tools.bench_common import graphed, sustained_ms
+    from minimax_backend.tools.bench_common import graph_median_ms, graphed, sustained_ms
 
     fp8 = precision == "fp8"
     cfg, blk = build_block(args.preset, rank, world, fp8, device)
@@ -212,6 +221,9 @@ def _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs
                 row["ours_graph_ms"] = timed(ours_graph)
                 if torch_experts is not None:
                     row["torch_gmm_graph_ms"] = timed(graphed(torch_gmm))
+                if tokens <= args.b2b_max_tokens and world == 1:
+                    row["ours_b2b_ms"] = graph_median_ms(ours, calls=B2B_CALLS, warmup=args.warmup,
+                                                         repeats=args.repeats)
             weight_bytes = touched_weight_bytes(blk, x, routed_bytes, shared_bytes)
         floor_us = weight_bytes / (copy_gbs * 1e3)
         layer_flops = flops(tokens, hidden, inter, k, cfg.shared_intermediate_size)
@@ -235,6 +247,10 @@ def _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs
             row["sustained_frac_of_gemm"] = row["ours_sustained_tflops"] / row["plain_sustained_tflops"]
         row["floor_us"] = floor_us
         row["ours_over_floor"] = best * 1e3 / floor_us
+        row["bound_us"] = max(floor_us, layer_flops / world / (row["plain_gemm_tflops"] * 1e6))
+        row["ours_over_bound"] = best * 1e3 / row["bound_us"]
+        if row.get("ours_b2b_ms"):
+            row["ours_b2b_over_floor"] = row["ours_b2b_ms"] * 1e3 / floor_us
         if row.get("torch_gmm_ms"):
             theirs = min(v for v in (row["torch_gmm_ms"], row.get("torch_gmm_graph_ms")) if v)
             row["x_vs_torch_gmm"] = theirs / best
@@ -307,6 +323,8 @@ def main(argv=None) -> None:
     p.add_argument("--eager-max-tokens", type=int, default=16384)
     p.add_argument("--eager-max-tokens-fp8", type=int, default=4096)
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
+    p.add_argument("--b2b-max-tokens", type=int, default=64,
+                   help=f"also time {B2B_CALLS} calls back to back in one graph up to this many tokens (one GPU)")
     p.add_argument("--sustained", type=seconds_arg, default=0.0, metavar="SECONDS",
                    help="also run ours and the plain GEMM back to back for SECONDS each and report the median ms "
                         "with the SM clock and board power nvidia-smi reads meanwhile (at prefill sizes the card "
