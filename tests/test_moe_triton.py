@@ -87,8 +87,10 @@ def _switched(switch: str):
         mp.setattr(kt, "_gate_up_act_kernel", gate_up)
         mp.setattr(kt, "_down_kernel", down)
         # The Triton kernels' own switches are checked on the Triton gate/up: pinned, whatever
-        # moe_gemm's default is (auto runs the Gluon gate/up at FP8 prefill sizes on sm_90)
-        pin = {"moe_gemm": "triton"} if name in ("moe_gate_up", "moe_group_m", "moe_expert_groups") else {}
+        # moe_gemm's default is (auto runs the Gluon gate/up at FP8 prefill sizes on sm_90, and
+        # over 192-row blocks the Gluon down too: no Triton GEMM launch is left to look at)
+        pin = ({"moe_gemm": "triton"} if name in ("moe_gate_up", "moe_group_m", "moe_expert_groups", "moe_overlap")
+               else {})
         with override_kernel_options(**{name: value, **pin}):
             yield
     assert grouped, f"{switch}: the ops never reached kernels/moe_triton.py's grouped GEMMs"
