@@ -12,6 +12,7 @@ import torch
 
 from minimax_backend.tools import bench_common, bench_moe, gpu_power
 from minimax_backend.tools.gpu_power import PowerSampler, parse_samples, summarize
+from test_bench_moe import job_rows
 
 T0 = datetime.datetime(2026, 12, 3, 13, 55, 10)
 
@@ -94,19 +95,7 @@ def test_sustained_ms_runs_for_the_time_asked():
 def test_bench_moe_sustained_columns(fake_nvidia_smi, monkeypatch):
     """The job with --sustained: ours and the plain GEMM timed back to back, each row given the
     clock and power read in its own window."""
-    args = argparse.Namespace(device="cpu", warmup=1, repeats=2, precisions=["bf16"], preset="tiny-m3", tokens=[5],
-                              eager_max_tokens=16, eager_max_tokens_fp8=16, cuda_graph=False, sustained=0.15, json=None)
-    captured = {}
-    real = bench_moe._precision_rows
-
-    def spy(*a):
-        real(*a)
-        captured["rows"] = a[-1]
-
-    monkeypatch.setattr(bench_moe, "_precision_rows", spy)
-    with torch.no_grad():
-        bench_moe.job(0, 1, args)
-    (row,) = captured["rows"]
+    (row,) = job_rows(monkeypatch, eager_max_tokens=16, eager_max_tokens_fp8=16, sustained=0.15)
     for col in bench_moe.SUSTAINED_COLUMNS[2:]:
         assert row.get(col) is not None, col
     assert row["ours_sm_mhz"] == 1500.0 and row["plain_watts"] == 690.5
