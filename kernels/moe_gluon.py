@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import torch
 
+from .options import kernel_options
+
 try:  # Gluon ships with triton >= 3.5; CPU installs and older triton use the Triton kernels
     import triton
     from triton.experimental import gluon
@@ -290,31 +292,49 @@ if HAVE_GLUON:
             mbarrier.arrive(empty.index(s), count=1)
 
     @gluon.jit
-    def _trio_rows_into_stage(a_desc, a0_smem, a1_smem, a2_smem, ready, empty, it, off_m, k, nbytes: gl.constexpr,
-                              STAGES: gl.constexpr):
-        """The producer's iteration `it`: wait until its stage is free, expect nbytes on the stage's
-        ready barrier and load the block's three 64-row tiles at column k into it; the stage's index
-        (the caller adds the weight tile)."""
+    def _trio_rows_into_stage(a_desc, a0_smem, a1_smem, a2_smem, ready, empty, it, off_m, k, second, third,
+                              weight_bytes: gl.constexpr, LIVE_ROWS: gl.constexpr, STAGES: gl.constexpr):
+        """The producer's iteration `it`: wait until its stage is free, expect the bytes of the loads on
+        the stage's ready barrier and load the block's 64-row tiles at column k into it (the caller
+        adds the weight tile, weight_bytes); the stage's index. LIVE_ROWS (kernel option
+        moe_trio_rows=live): the second and third tiles only where their group holds rows (an idle
+        group only releases the stage, so its tile would be padding nobody reads)."""
+        row_bytes: gl.constexpr = a_desc.block_type.nbytes
         s = it % STAGES
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         bar = ready.index(s)
-        mbarrier.expect(bar, nbytes)
-        _tma_load(a_desc, [off_m, k], bar, a0_smem.index(s))
-        _tma_load(a_desc, [off_m + 64, k], bar, a1_smem.index(s))
-        _tma_load(a_desc, [off_m + 128, k], bar, a2_smem.index(s))
+        if LIVE_ROWS:
+            # the count must equal the loads below, or the stage never completes
+            if third:
+                mbarrier.expect(bar, 3 * row_bytes + weight_bytes)
+            elif second:
+                mbarrier.expect(bar, 2 * row_bytes + weight_bytes)
+            else:
+                mbarrier.expect(bar, row_bytes + weight_bytes)
+            _tma_load(a_desc, [off_m, k], bar, a0_smem.index(s))
+            if second | third:
+                _tma_load(a_desc, [off_m + 64, k], bar, a1_smem.index(s))
+            if third:
+                _tma_load(a_desc, [off_m + 128, k], bar, a2_smem.index(s))
+        else:
+            mbarrier.expect(bar, 3 * row_bytes + weight_bytes)
+            _tma_load(a_desc, [off_m, k], bar, a0_smem.index(s))
+            _tma_load(a_desc, [off_m + 64, k], bar, a1_smem.index(s))
+            _tma_load(a_desc, [off_m + 128, k], bar, a2_smem.index(s))
         return s
 
     @gluon.jit
     def _trio_producer(a_desc, h_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                       N: gl.constexpr, STAGES: gl.constexpr, BK: gl.constexpr):
+                       second, third, N: gl.constexpr, STAGES: gl.constexpr, BK: gl.constexpr,
+                       LIVE_ROWS: gl.constexpr):
         """The producer warp, for each half of the program's 128 columns of h and each K step: the
         three 64-row activation tiles and one [128, BK] weight tile, the 64 gate rows of those
         columns over their 64 up rows (two TMA loads into its halves)."""
-        nbytes: gl.constexpr = 3 * a_desc.block_type.nbytes + 2 * h_desc.block_type.nbytes
+        weight_bytes: gl.constexpr = 2 * h_desc.block_type.nbytes
         for j in gl.static_range(2):
             for ki in range(n_steps):
                 s = _trio_rows_into_stage(a_desc, a0_smem, a1_smem, a2_smem, ready, empty, j * n_steps + ki, off_m,
-                                          ki * BK, nbytes, STAGES)
+                                          ki * BK, second, third, weight_bytes, LIVE_ROWS, STAGES)
                 bar = ready.index(s)
                 b = b_smem.index(s)
                 _tma_load(h_desc, [off_n + 64 * j, ki * BK], bar, b.slice(0, 64))
@@ -389,7 +409,8 @@ if HAVE_GLUON:
     def _gate_up_trio_kernel(x_ptr, xs_ptr, w_table, ws_table, block_expert, sorted_pair, h_ptr, hs_ptr,
                               rows_total, n_local, num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr,
                               K: gl.constexpr, ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+                              LIVE_ROWS: gl.constexpr = False):
         """gate_up + act of one [192, 128] tile of h: warp groups 0, 1, 2 rows 0-63, 64-127, 128-191,
         all from the same [128, 128] weight tiles (gate over up, 64 columns of h at a time)."""
         BK: gl.constexpr = 128
@@ -417,7 +438,7 @@ if HAVE_GLUON:
             (_trio_consumer, (a2_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi2, park2, off_m + 128,
                               off_n, pid_n, n_steps, third, N, K, alpha, limit, beta, ACT, STAGES)),
             (_trio_producer, (a_desc, h_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                              N, STAGES, BK)),
+                              second, third, N, STAGES, BK, LIVE_ROWS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -425,15 +446,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _down_trio_producer(h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                            STAGES: gl.constexpr, COL_TILES: gl.constexpr, BK: gl.constexpr):
+                            second, third, STAGES: gl.constexpr, COL_TILES: gl.constexpr, BK: gl.constexpr,
+                            LIVE_ROWS: gl.constexpr):
         """The producer warp: for each of the program's column tiles and each K step, the three 64-row
         tiles of h and the [128, BK] weight tile. It runs on into the next column tile while the
         consumers store the last one, so only the program's first tile waits for the ring to fill."""
-        nbytes: gl.constexpr = 3 * h_desc.block_type.nbytes + w_desc.block_type.nbytes
         for j in range(COL_TILES):
             for ki in range(n_steps):
                 s = _trio_rows_into_stage(h_desc, a0_smem, a1_smem, a2_smem, ready, empty, j * n_steps + ki, off_m,
-                                          ki * BK, nbytes, STAGES)
+                                          ki * BK, second, third, w_desc.block_type.nbytes, LIVE_ROWS, STAGES)
                 _tma_load(w_desc, [off_n + 128 * j, ki * BK], ready.index(s), b_smem.index(s))
 
     @gluon.jit
@@ -474,7 +495,7 @@ if HAVE_GLUON:
                           n_local, num_m_blocks, num_n_tiles, N_OUT: gl.constexpr, K: gl.constexpr,
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, COL_TILES: gl.constexpr = 1,
-                          FP8: gl.constexpr = True):
+                          FP8: gl.constexpr = True, LIVE_ROWS: gl.constexpr = False):
         """y of one [192, 128 * COL_TILES] tile (num_n_tiles counts those): warp groups 0, 1, 2 rows
         0-63, 64-127, 128-191 of the block, all from the same 128-row tiles of the expert's down
         weight, one 128-column tile after the other. FP8 (h with its 1 x 128 scales, block-scaled
@@ -504,7 +525,7 @@ if HAVE_GLUON:
             (_down_trio_consumer, (a2_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m + 128,
                                    off_n, n_steps, third, N_OUT, K, STAGES, COL_TILES, FP8)),
             (_down_trio_producer, (h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n,
-                                   n_steps, STAGES, COL_TILES, BK)),
+                                   n_steps, second, third, STAGES, COL_TILES, BK, LIVE_ROWS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -553,7 +574,8 @@ if HAVE_GLUON:
     def _gate_up_trio_bf16_kernel(x_ptr, w_table, block_expert, sorted_pair, h_ptr, rows_total, n_local,
                                   num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr, K: gl.constexpr,
                                   ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                  CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+                                  LIVE_ROWS: gl.constexpr = False):
         """gate_up + act of one [192, 128] tile of h in BF16: the FP8 kernel's structure (three 64-row
         warp groups on one stacked weight tile, 64 columns of h at a time) with K steps of 64."""
         BK: gl.constexpr = 64
@@ -577,7 +599,7 @@ if HAVE_GLUON:
             (_trio_bf16_consumer, (a2_smem, b_smem, ready, empty, h_ptr, epi2, off_m + 128, off_n, n_steps, third, N,
                                    alpha, limit, beta, ACT, STAGES)),
             (_trio_producer, (a_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                              N, STAGES, BK)),
+                              second, third, N, STAGES, BK, LIVE_ROWS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -645,16 +667,23 @@ def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor,
     h = torch.empty(rows, n, dtype=xg.dtype, device=xg.device)
     n_tiles = n // 128
     group_m = group_m if group_m < 0 else max(group_m, 1)
+    live_rows = _live_rows_only()
     if xg.dtype == torch.bfloat16:
         _gate_up_trio_bf16_kernel[(num_m * n_tiles,)](
             xg, w_table, block_expert, sorted_pair, h, rows, n_local, num_m, n_tiles, alpha, limit, beta, N=n, K=k,
-            ACT=act, GROUP_M=group_m, num_warps=4, **TRIO_BF16_CONFIG)
+            ACT=act, GROUP_M=group_m, num_warps=4, LIVE_ROWS=live_rows, **TRIO_BF16_CONFIG)
         return h, xsg  # no scales in BF16
     hs = torch.empty(rows, n // 128, dtype=torch.float32, device=xg.device)
     _gate_up_trio_kernel[(num_m * n_tiles,)](
         xg, xsg, w_table, ws_table, block_expert, sorted_pair, h, hs, rows, n_local, num_m, n_tiles, alpha, limit,
-        beta, N=n, K=k, ACT=act, GROUP_M=group_m, num_warps=4, **TRIO_CONFIG)
+        beta, N=n, K=k, ACT=act, GROUP_M=group_m, num_warps=4, LIVE_ROWS=live_rows, **TRIO_CONFIG)
     return h, hs
+
+
+def _live_rows_only() -> bool:
+    """Kernel option moe_trio_rows: live = the 192-row kernels' producer loads only the 64-row tiles of
+    groups that hold rows (not yet measured on a GPU, so not the default)."""
+    return kernel_options().moe_trio_rows == "live"
 
 
 # The down GEMM over the 192-row blocks (down_trio): no epilogue buffers, so 4 stages of 40 KB.
@@ -685,5 +714,5 @@ def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table
     _down_trio_kernel[(num_m * n_groups,)](
         h, hs, w_table, ws_table, block_expert, sorted_pair, topk_w, y, rows, n_local, num_m, n_groups,
         N_OUT=n_out, K=k, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, COL_TILES=col_tiles,
-        FP8=h.dtype != torch.bfloat16, **DOWN_TRIO_CONFIG)
+        FP8=h.dtype != torch.bfloat16, LIVE_ROWS=_live_rows_only(), **DOWN_TRIO_CONFIG)
     return y

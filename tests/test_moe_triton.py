@@ -1227,6 +1227,16 @@ def test_gpu_gluon_gate_up_against_cpu_reference(tokens, gemm, monkeypatch):
     assert len(downs) == (len(launched) if gemm == "gluon192" else 0), (len(downs), len(launched))
 
 
+def _with_partial_192_row_blocks(ids: torch.Tensor) -> None:
+    """Moves 50 of expert 7's pairs to expert 1, so that (with the shared expert's run of every token)
+    the 192-row layout has a last block with one live 64-row group and one with two: the three
+    forms of a stage's loads under moe_trio_rows=live."""
+    sevens = (ids == 7).nonzero()[:50]
+    ids[sevens[:, 0], sevens[:, 1]] = 1
+    runs = torch.cat([torch.bincount(ids.flatten().cpu(), minlength=8), torch.tensor([ids.shape[0]])]) % 192
+    assert ((runs > 0) & (runs <= 64)).any() and ((runs > 64) & (runs <= 128)).any(), runs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [999, 1000])
 def test_gpu_bf16_gluon_kernels_against_cpu_reference_and_triton(tokens, monkeypatch):
@@ -1251,13 +1261,17 @@ def test_gpu_bf16_gluon_kernels_against_cpu_reference_and_triton(tokens, monkeyp
     ids, tw = w.route(x)
     ids[:300, 0] = 3  # one crowded expert
     ids[ids == 5] = 6  # and an idle one
+    _with_partial_192_row_blocks(ids)
     common = (ids, tw, w.w13, w.w2, None, None, 0, "swigluoai", w.alpha, w.limit, w.beta, w.num_experts)
     shared = (w.shared_w13, w.shared_w2, None, None)
     out = {}
     for kernels in ("triton", "gluon192"):
         with override_kernel_options(moe_gemm=kernels):
             out[kernels] = kt.grouped_gated_mlp(x, *common, shared=shared)
+    with override_kernel_options(moe_gemm="gluon192", moe_trio_rows="live"):  # idle groups' rows not loaded
+        out["live_rows"] = kt.grouped_gated_mlp(x, *common, shared=shared)
     assert torch.equal(out["gluon192"], out["triton"]), (out["gluon192"] - out["triton"]).abs().max()
+    assert torch.equal(out["live_rows"], out["triton"]), (out["live_rows"] - out["triton"]).abs().max()
 
 
 @pytest.mark.gpu
@@ -1278,6 +1292,7 @@ def test_gpu_gluon_gate_up_equals_the_triton_kernel_bit_for_bit(down_col_tiles, 
     ids, tw = w.route(x)
     ids[:300, 0] = 3  # one crowded expert
     ids[ids == 5] = 6  # and an idle one
+    _with_partial_192_row_blocks(ids)
     common = (ids, tw, w.w13, w.w2, w.w13_scale, w.w2_scale, 0, "swigluoai", w.alpha, w.limit, w.beta,
               w.num_experts)
     shared = (w.shared_w13, w.shared_w2, w.shared_w13_scale, w.shared_w2_scale)
@@ -1287,6 +1302,9 @@ def test_gpu_gluon_gate_up_equals_the_triton_kernel_bit_for_bit(down_col_tiles, 
             out[kernels] = kt.grouped_gated_mlp(x, *common, shared=shared)
     with override_kernel_options(moe_gemm="gluon192", moe_down="triton"):  # the 192-row gate/up, the Triton down
         out["gluon192_triton_down"] = kt.grouped_gated_mlp(x, *common, shared=shared)
+    with override_kernel_options(moe_gemm="gluon192", moe_trio_rows="live"):  # idle groups' rows not loaded
+        out["gluon192_live_rows"] = kt.grouped_gated_mlp(x, *common, shared=shared)
+    assert torch.equal(out["gluon192_live_rows"], out["triton"])
     assert torch.equal(out["gluon"], out["triton"])
     assert torch.equal(out["gluon192_triton_down"], out["triton"])
     assert torch.equal(out["gluon192"], out["triton"])  # the Gluon down too (moe_down=auto)
