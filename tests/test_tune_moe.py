@@ -103,3 +103,10 @@ def test_kernel_pairs_per_precision():
                                                      ("gluon192", "auto"), ("gluon192", "triton")]
     assert gemm_and_down(gemms, downs, fp8=False) == [("triton", "triton"), ("gluon192", "auto")]
     assert gemm_and_down(["gluon"], downs, fp8=False) == []
+
+
+def test_trio_rows_only_with_the_192_row_kernels():
+    from minimax_backend.tools.tune_moe import trio_rows_for
+
+    assert trio_rows_for("gluon192", ["all", "live"]) == ["all", "live"]
+    assert trio_rows_for("gluon", ["all", "live"]) == trio_rows_for("triton", ["live"]) == ["all"]

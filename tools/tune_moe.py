@@ -63,6 +63,11 @@ def gemm_and_down(gemms: list[str], downs: list[str], fp8: bool) -> list[tuple[s
     return [(g, d) for g in gemms for d in (downs if g == "gluon192" else ["triton"])]
 
 
+def trio_rows_for(gemm: str, trio_rows: list[str]) -> list[str]:
+    """The moe_trio_rows values to run with one gate/up kernel: only the 192-row Gluon kernels read it."""
+    return trio_rows if gemm == "gluon192" else ["all"]
+
+
 def variants(tokens: int, top_k: int, num_experts: int, fp8: bool, gate_up: tuple[str, ...],
              group_m: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The products and tile orders to run: those asked for, else tile_config's pick at this size."""
@@ -176,6 +181,9 @@ def main(argv=None) -> None:
     p.add_argument("--moe-down", nargs="+", choices=["auto", "triton"], default=["auto"],
                    help="the FP8 down kernel after the 192-row gate/up (kernel option moe_down; auto: the Gluon "
                         "kernel over the same blocks); the other gate/up kernels are followed by the Triton one")
+    p.add_argument("--trio-rows", nargs="+", choices=["all", "live"], default=["all"],
+                   help="the 192-row Gluon GEMMs' row loads under --moe-gemm gluon192 (kernel option moe_trio_rows; "
+                        "live: only the 64-row tiles of groups that hold rows)")
     p.add_argument("--preset", default="m3")
     p.add_argument("--calls", type=int, default=3, help="profiled calls per config")
     p.add_argument("--sustained", type=seconds_arg, default=0.0, metavar="SECONDS",
@@ -221,16 +229,19 @@ def main(argv=None) -> None:
                     print(f"[tune_moe] {precision}: none of --moe-gemm {' '.join(args.moe_gemm)} has a {precision} "
                           "form (BF16: triton, gluon192); nothing run", flush=True)
                 for gemm, down in pairs:
-                    with torch.no_grad(), override_kernel_options(moe_gemm=gemm, moe_down=down):
-                        found = sweep(blk, cfg, tokens, configs, args.calls, device, tuple(args.gate_up),
-                                      _orders(args), args.sustained, power)
-                    for r in found:  # tagged in place: the sampler's windows hold these same dicts
-                        r.update(precision=precision, moe_gemm=gemm, moe_down="gluon192" if down == "auto" else down)
-                    rows += found
+                    for trio_rows in trio_rows_for(gemm, args.trio_rows):
+                        with torch.no_grad(), override_kernel_options(moe_gemm=gemm, moe_down=down,
+                                                                      moe_trio_rows=trio_rows):
+                            found = sweep(blk, cfg, tokens, configs, args.calls, device, tuple(args.gate_up),
+                                          _orders(args), args.sustained, power)
+                        for r in found:  # tagged in place: the sampler's windows hold these same dicts
+                            r.update(precision=precision, moe_gemm=gemm, trio_rows=trio_rows,
+                                     moe_down="gluon192" if down == "auto" else down)
+                        rows += found
             del blk
     ok = [r for r in rows if "error" not in r]
-    print_table(ok, ["precision", "moe_gemm", "moe_down", "tokens", "config", "gate_up", "group_m", "call_us", "gate_up_us",
-                     "gate_up_tflops", "down_us", "down_tflops", "rest_us", "layer_tflops",
+    print_table(ok, ["precision", "moe_gemm", "moe_down", "trio_rows", "tokens", "config", "gate_up", "group_m",
+                     "call_us", "gate_up_us", "gate_up_tflops", "down_us", "down_tflops", "rest_us", "layer_tflops",
                      *(["sustained_us", "sustained_layer_tflops", "sm_mhz", "watts"] if args.sustained else [])],
                 title="MoE grouped GEMMs per tile config")
     if args.json:
