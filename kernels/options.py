@@ -87,7 +87,7 @@ docs/kernel-notes.md). Who runs them:
   tools/tune_moe.py --moe-down and bench_e2e's minimax-moe-triton-down compare the two;
 * moe_trio_rows: live (2026-12-06, twenty-sixth session) skips the idle groups' row loads in the
   192-row Gluon GEMMs; it waits for a GPU run (the bit-equality tests of tests/test_moe_triton.py
-  run it, tools/tune_moe.py with MINIMAX_MOE_TRIO_ROWS=live times it) before it can be the default;
+  run it, tools/tune_moe.py --trio-rows all live times both forms) before it can be the default;
 * moe_align: triton takes the chunked alignment past 1024 pairs since 2026-12-04 (seventeenth
   session; kernels/moe_align_triton.py:align_with_triton), past 512 since 2026-12-05: on one H200 5.9-25 us a layer at
   2560-81920 pairs against the torch sort's 119-179 us and the one program's 48-50 us at

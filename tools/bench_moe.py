@@ -247,7 +247,7 @@ def _precision_rows(rank, world, args, device, precision, timed, group, copy_gbs
             row["sustained_frac_of_gemm"] = row["ours_sustained_tflops"] / row["plain_sustained_tflops"]
         row["floor_us"] = floor_us
         row["ours_over_floor"] = best * 1e3 / floor_us
-        row["bound_us"] = max(floor_us, layer_flops / world / (row["plain_gemm_tflops"] * 1e6))
+        row["bound_us"] = max(floor_us, row["flops"] / (row["plain_gemm_tflops"] * 1e6))
         row["ours_over_bound"] = best * 1e3 / row["bound_us"]
         if row.get("ours_b2b_ms"):
             row["ours_b2b_over_floor"] = row["ours_b2b_ms"] * 1e3 / floor_us
