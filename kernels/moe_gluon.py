@@ -682,7 +682,7 @@ def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor,
 
 def _live_rows_only() -> bool:
     """Kernel option moe_trio_rows: live = the 192-row kernels' producer loads only the 64-row tiles of
-    groups that hold rows (not yet measured on a GPU, so not the default)."""
+    groups that hold rows (the default); all = every tile of a block."""
     return kernel_options().moe_trio_rows == "live"
 
 

@@ -181,7 +181,7 @@ def main(argv=None) -> None:
     p.add_argument("--moe-down", nargs="+", choices=["auto", "triton"], default=["auto"],
                    help="the FP8 down kernel after the 192-row gate/up (kernel option moe_down; auto: the Gluon "
                         "kernel over the same blocks); the other gate/up kernels are followed by the Triton one")
-    p.add_argument("--trio-rows", nargs="+", choices=["all", "live"], default=["all"],
+    p.add_argument("--trio-rows", nargs="+", choices=["all", "live"], default=["live"],
                    help="the 192-row Gluon GEMMs' row loads under --moe-gemm gluon192 (kernel option moe_trio_rows; "
                         "live: only the 64-row tiles of groups that hold rows)")
     p.add_argument("--preset", default="m3")
