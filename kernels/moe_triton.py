@@ -588,14 +588,15 @@ def _tile_table(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
     # them, and in FP8 the per-K-step scaled product, in registers (4 warps at BLOCK_M 128
     # spill: 3-5x slower). FP8 is fastest at BLOCK_M 64, BF16 at 128. Gate and up from one
     # product per K step and programs in groups of row blocks: 8-16% faster at 4096 and
-    # 16384 tokens than two products in row-block order. FP8: the groups follow the experts
+    # 16384 tokens than two products in row-block order. The groups follow the experts
     # (at most 8 row blocks; kernels/moe_expert_groups.py), so each expert's weight tiles
-    # are read from HBM once per layer: 2-4% faster than groups of 4 at 8192-16384 tokens.
+    # are read from HBM once per layer: FP8 2-4% faster than groups of 4 at 8192-16384
+    # tokens, BF16 (bound by its weight reads at 4096) 4-5% faster than groups of 8 there.
     if fp8:
         return {"BM": 64, "BN": 128, "BK": 128, "num_warps": 8, "num_stages": 4, "BN_DOWN": 128,
                 "down_warps": 4, "down_stages": 4, "ONE_DOT": True, "GROUP_M": -1, "EXPERT_GROUPS": 8}
     return {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "BN_DOWN": 128,
-            "down_warps": 4, "down_stages": 3, "ONE_DOT": True, "GROUP_M": 8}
+            "down_warps": 4, "down_stages": 3, "ONE_DOT": True, "GROUP_M": -1, "EXPERT_GROUPS": 8}
 
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

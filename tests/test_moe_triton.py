@@ -724,7 +724,7 @@ def test_gate_up_and_order_switches_reach_the_kernel(interp, monkeypatch):
 
     # 8 experts, top-2: 5 tokens are a decode size, 301 a prefill size (> 48 rows per expert)
     assert launched(5) == (False, 0)
-    assert launched(301) == (True, 8)
+    assert launched(301) == (True, -1)  # groups by expert (kernels/moe_expert_groups.py)
     assert launched(301, moe_gate_up="two_dots", moe_group_m=0) == (False, 0)
     assert launched(5, moe_gate_up="one_dot", moe_group_m=3) == (True, 3)
     assert launched(301, moe_tiles="64,128,64,8,4") == (False, 0)  # hand-picked tiles: the plain kernel

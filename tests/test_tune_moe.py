@@ -38,7 +38,7 @@ def test_tune_moe_runs_the_tables_variant_unless_asked():
     from minimax_backend.tools.tune_moe import variants
 
     assert variants(8192, 4, 128, True, (), ()) == (("one_dot",), ("expert:8",))  # M3 FP8 prefill
-    assert variants(8192, 4, 128, False, (), ()) == (("one_dot",), (8,))
+    assert variants(8192, 4, 128, False, (), ()) == (("one_dot",), ("expert:8",))  # BF16 too
     assert variants(16, 4, 128, True, (), ()) == (("two_dots",), (0,))  # decode
     assert variants(16, 4, 128, True, ("one_dot", "two_dots"), (0, 2)) == (("one_dot", "two_dots"), (0, 2))
 
