@@ -336,7 +336,7 @@ def test_idle_and_crowded_experts(interp):
     assert _err(got, R.local_experts_reference(x, ids, tw, w), False) <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["m3_f32", "m3_fp8"])
+@pytest.mark.parametrize("case", ["m3_f32", "m3_bf16", "m3_fp8"])  # BF16 and FP8: the tables' orders at prefill
 def test_programs_grouped_by_expert_compute_the_same_bits(interp, case):
     """moe_expert_groups (GROUP_M -1, kernels/moe_expert_groups.py) only reorders the programs: every
     tile is the one the table's orders compute, bit for bit. Expert 6 takes every token (a run of
