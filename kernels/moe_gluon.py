@@ -29,7 +29,7 @@ each take the same stacked weight tile (the gate rows of 64 columns of h over th
 cover 128 columns of h in two passes, the first pass's h parked in shared memory until the 1 x 128
 quantization. A third group keeps the tensor cores busy while the others scale their products,
 and a weight tile serves 192 rows instead of 64: the layer is 2-6% faster at 8192-16384 tokens,
-and the default there (kernel option moe_gemm=auto; moe_triton.TRIO_MIN_ROWS_PER_EXPERT).
+and the default there (kernel option moe_gemm=auto; moe_plan.TRIO_MIN_ROWS_PER_EXPERT).
 down_trio is the down GEMM over the same blocks, warp-specialized the same way (three groups of
 64 rows on one [128, 128] weight tile per K step), with the Triton down kernel's epilogue (bf16,
 times the routing weight, bf16): 12% faster than the Triton kernel at 8192 tokens, even at 16384

@@ -26,6 +26,7 @@ import torch
 from conftest import tiny_m2_config, tiny_m3_config
 from interpreted import INTERPRETING, run_this_file_interpreted
 from minimax_backend.kernels import moe as K
+from minimax_backend.kernels import moe_plan as plan
 from minimax_backend.kernels import moe_parallel as P
 from minimax_backend.kernels import moe_reference as R
 from minimax_backend.kernels.options import override_kernel_options
@@ -80,7 +81,7 @@ def _switched(switch: str):
         mp.setattr(kt, "align_with_triton", spy(sorted_in_triton, kt.align_with_triton))
         mp.setattr(kt, "route_triton", spy(routed, kt.route_triton))
         mp.setattr(kt, "select_and_align", spy(selected, kt.select_and_align))
-        mp.setattr(kt, "gluon_fits", spy(fits, kt.gluon_fits))
+        mp.setattr(plan, "gluon_fits", spy(fits, plan.gluon_fits))
         mp.setattr(mg, "gate_up_act", spy(gluon, mg.gate_up_act))
         mp.setattr(mg, "gate_up_act_trio", spy(gluon, mg.gate_up_act_trio))
         gate_up, down = _Launches(kt._gate_up_act_kernel), _Launches(kt._down_kernel)
@@ -169,7 +170,7 @@ def test_kernel_switches_reach_the_moe_kernels():
     """The MoE readers of kernels/options.py (bad values: tests/test_kernel_options.py)."""
     from minimax_backend.kernels import moe_triton
     from minimax_backend.kernels.moe_route_triton import route_mode
-    from minimax_backend.kernels.moe_triton import tile_config
+    from minimax_backend.kernels.moe_plan import tile_config
 
     assert tile_config(8, 2, 8, True)["BM"] == 16  # the heuristic by default
     with override_kernel_options(moe_tiles="16,128,128,4,3,64"):  # the optional down BLOCK_N
@@ -200,7 +201,7 @@ def test_kernel_switches_reach_the_moe_kernels():
 
 
 def test_where_the_shared_expert_joins_the_grouped_launch():
-    from minimax_backend.kernels.moe_triton import shared_in_grouped_launch
+    from minimax_backend.kernels.moe_plan import shared_in_grouped_launch
 
     m3 = dict(top_k=4, num_experts=128, fp8=True, float32=False, width=3072)
     assert shared_in_grouped_launch(8192, shared_width=3072, **m3)  # EP 1: always
@@ -392,7 +393,7 @@ def test_shared_expert_in_the_grouped_launch_equals_its_own_launch(interp, case,
     sh = _shared_args(w, width)
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     ids, tw = w.route(x)
-    cfg = interp.tile_config(tokens, ids.shape[1], w.num_experts, fp8, float32=dtype == torch.float32)
+    cfg = plan.tile_config(tokens, ids.shape[1], w.num_experts, fp8, float32=dtype == torch.float32)
     # all experts; EP 2 rank 0 (ids 4-7 belong to the other rank: the shared expert's id must
     # not be taken for expert 4); EP 2 rank 1
     for lo, hi in ((0, 8), (0, 4), (4, 8)):
@@ -516,7 +517,7 @@ def test_host_side_of_the_gluon_gate_up_equals_the_triton_path(interp, order, mo
     monkeypatch.setattr(kt, "quantize_scatter_fp8", _scatter_by_torch)
     out = {}
     for gemm in ("triton", "gluon"):
-        monkeypatch.setattr(kt, "gluon_fits", lambda *a, _on=gemm == "gluon": _on)
+        monkeypatch.setattr(plan, "gluon_fits", lambda *a, _on=gemm == "gluon": _on)
         out[gemm] = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, w.w13_scale, w.w2_scale, 0, "swigluoai", w.alpha,
                                          w.limit, w.beta, w.num_experts, cfg, shared=shared)
     assert launched == [order["GROUP_M"]]
@@ -583,7 +584,7 @@ def test_host_side_of_the_192_row_gluon_gate_up_equals_the_triton_path(interp, o
     monkeypatch.setattr(kt, "quantize_scatter_fp8", _scatter_by_torch)
     out = {}
     for gemm, down_gemm in (("triton", "auto"), ("gluon192", "triton"), ("gluon192", "auto")):
-        monkeypatch.setattr(kt, "gluon_fits", lambda *a, _on=gemm != "triton": _on)
+        monkeypatch.setattr(plan, "gluon_fits", lambda *a, _on=gemm != "triton": _on)
         with override_kernel_options(moe_gemm=gemm, moe_down=down_gemm):
             out[gemm, down_gemm] = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, w.w13_scale, w.w2_scale, 0,
                                                         "swigluoai", w.alpha, w.limit, w.beta, w.num_experts, cfg,
@@ -644,7 +645,7 @@ def test_host_side_of_the_bf16_gluon_path_equals_the_triton_path(interp, monkeyp
     monkeypatch.setattr(mg, "down_trio", down)
     out = {}
     for on in (False, True):
-        monkeypatch.setattr(kt, "gluon_bf16_fits", lambda *a, _on=on: _on)
+        monkeypatch.setattr(plan, "gluon_bf16_fits", lambda *a, _on=on: _on)
         out[on] = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, None, None, 0, "swigluoai", w.alpha, w.limit,
                                        w.beta, w.num_experts, shared=shared)
     # one launch each, BF16, in the groups that follow the experts (-1, the table after the blocks)
@@ -658,44 +659,42 @@ def test_bf16_gluon_path_only_under_gluon192():
     measured slower), an error there off a Hopper GPU (never a silent Triton run of a pinned
     kernel), never with moe_down=triton, a float32 model or a narrower shared expert."""
     import minimax_backend.kernels.moe_gluon as mg
-    import minimax_backend.kernels.moe_triton as kt
 
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mg, "gluon_available", lambda device: True)
         for gemm in ("auto", "triton", "gluon"):
             with override_kernel_options(moe_gemm=gemm):
-                assert not kt.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072), gemm
+                assert not plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072), gemm
         with override_kernel_options(moe_gemm="gluon192"):
-            assert kt.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072)
-            assert not kt.gluon_bf16_fits(torch.device("cpu"), bf16, 6144, 3072, 3072)
-            assert not kt.gluon_bf16_fits(cuda, torch.float32, 6144, 3072, 3072)
-            assert not kt.gluon_bf16_fits(cuda, bf16, 6144, 3072, 1536)  # a narrower shared slice
+            assert plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072)
+            assert not plan.gluon_bf16_fits(torch.device("cpu"), bf16, 6144, 3072, 3072)
+            assert not plan.gluon_bf16_fits(cuda, torch.float32, 6144, 3072, 3072)
+            assert not plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 1536)  # a narrower shared slice
         with override_kernel_options(moe_gemm="gluon192", moe_down="triton"):
-            assert not kt.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072)
+            assert not plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072)
         mp.setattr(mg, "gluon_available", lambda device: False)
         with override_kernel_options(moe_gemm="gluon192"), pytest.raises(RuntimeError, match="moe_gemm=gluon192"):
-            kt.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072)
+            plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072)
 
 
 def test_auto_takes_the_192_row_gluon_gate_up_from_128_rows_per_expert():
     """moe_gemm=auto picks the 192-row form by the average rows per local expert (one H100, 2026-12-06:
     faster at 159 and 238 rows per expert, even at 119, slower at 79: docs/kernel-notes.md); gluon
     and gluon192 pin it."""
-    import minimax_backend.kernels.moe_triton as kt
 
     experts = 129  # M3's 128 routed experts and the shared one on one rank
     with override_kernel_options(moe_gemm="auto"):
-        assert kt.trio_fits(kt.TRIO_MIN_ROWS_PER_EXPERT * experts, experts)
-        assert not kt.trio_fits(kt.TRIO_MIN_ROWS_PER_EXPERT * experts - 1, experts)
+        assert plan.trio_fits(plan.TRIO_MIN_ROWS_PER_EXPERT * experts, experts)
+        assert not plan.trio_fits(plan.TRIO_MIN_ROWS_PER_EXPERT * experts - 1, experts)
         # M3 at EP 1: 4096 tokens x (4 routed + the shared slot) yes, 3072 and 2048 no
-        assert kt.trio_fits(4096 * 4 * 128 // 128 + 4096, experts)
-        assert not kt.trio_fits(3072 * 4 * 128 // 128 + 3072, experts)
-        assert not kt.trio_fits(2048 * 4 * 128 // 128 + 2048, experts)
+        assert plan.trio_fits(4096 * 4 * 128 // 128 + 4096, experts)
+        assert not plan.trio_fits(3072 * 4 * 128 // 128 + 3072, experts)
+        assert not plan.trio_fits(2048 * 4 * 128 // 128 + 2048, experts)
     with override_kernel_options(moe_gemm="gluon"):
-        assert not kt.trio_fits(10 ** 9, experts)
+        assert not plan.trio_fits(10 ** 9, experts)
     with override_kernel_options(moe_gemm="gluon192"):
-        assert kt.trio_fits(1, experts)
+        assert plan.trio_fits(1, experts)
 
 
 def test_gate_up_and_order_switches_reach_the_kernel(interp, monkeypatch):
@@ -1096,7 +1095,7 @@ def test_gpu_shared_expert_in_the_grouped_launch_equals_its_own_launch(case):
         for tokens in (1, 13, 200, 1000):  # BLOCK_M 16 to 128 (two K loops in shared memory)
             x = torch.randn(tokens, 256, device="cuda").to(dtype)
             ids, tw = w.route(x)
-            cfg = kt.tile_config(tokens, ids.shape[1], w.num_experts, fp8)
+            cfg = plan.tile_config(tokens, ids.shape[1], w.num_experts, fp8)
             sc = (w.w13_scale, w.w2_scale) if fp8 else (None, None)
             common = ("swigluoai", w.alpha, w.limit, w.beta, w.num_experts, cfg)
             merged = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, *sc, 0, *common, shared=sh)
@@ -1119,44 +1118,42 @@ def test_where_the_gluon_gate_up_runs(monkeypatch):
     """moe_gemm: triton never, auto where the GPU runs Gluon, gluon there or a clear error; and only
     at its tiles (BLOCK_M 64), one expert width, a bf16 model (no GPU needed: the decision only)."""
     import minimax_backend.kernels.moe_gluon as mg
-    import minimax_backend.kernels.moe_triton as kt
 
     cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
     prefill, decode = {"BM": mg.BLOCK_M}, {"BM": 16}
     for available in (False, True):
         monkeypatch.setattr(mg, "gluon_available", lambda device, _a=available: _a)
         with override_kernel_options(moe_gemm="triton"):
-            assert not kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
+            assert not plan.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
         with override_kernel_options(moe_gemm="auto"):
-            assert kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072) == available
-            assert not kt.gluon_fits(torch.device("cpu"), bf16, 6144, prefill, 3072, 3072)
+            assert plan.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072) == available
+            assert not plan.gluon_fits(torch.device("cpu"), bf16, 6144, prefill, 3072, 3072)
         with override_kernel_options(moe_gemm="gluon"):
             if available:
-                assert kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
-                assert not kt.gluon_fits(cuda, bf16, 6144, decode, 3072, 3072)  # decode tiles: Triton
-                assert not kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 1536)  # a narrower shared slice
-                assert not kt.gluon_fits(cuda, torch.float16, 6144, prefill, 3072, 3072)
+                assert plan.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
+                assert not plan.gluon_fits(cuda, bf16, 6144, decode, 3072, 3072)  # decode tiles: Triton
+                assert not plan.gluon_fits(cuda, bf16, 6144, prefill, 3072, 1536)  # a narrower shared slice
+                assert not plan.gluon_fits(cuda, torch.float16, 6144, prefill, 3072, 3072)
             else:
                 with pytest.raises(RuntimeError, match="sm_90"):
-                    kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
+                    plan.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
         with override_kernel_options(moe_gemm="gluon192"):
             if available:
-                assert kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
+                assert plan.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
             else:
                 with pytest.raises(RuntimeError, match="moe_gemm=gluon192 needs .*sm_90"):
-                    kt.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
+                    plan.gluon_fits(cuda, bf16, 6144, prefill, 3072, 3072)
 
 
 
 def test_the_gluon_down_follows_the_192_row_gate_up():
     """moe_down=auto: the Gluon down wherever the gate/up runs over 192-row blocks, never after the
     64-row or Triton gate/up (their layout is in 64-row blocks); triton: never."""
-    import minimax_backend.kernels.moe_triton as kt
 
     with override_kernel_options(moe_down="auto"):
-        assert kt.gluon_down_fits(True) and not kt.gluon_down_fits(False)
+        assert plan.gluon_down_fits(True) and not plan.gluon_down_fits(False)
     with override_kernel_options(moe_down="triton"):
-        assert not kt.gluon_down_fits(True) and not kt.gluon_down_fits(False)
+        assert not plan.gluon_down_fits(True) and not plan.gluon_down_fits(False)
 
 
 def test_gluon_entry_points_name_a_layout_they_cannot_take():
@@ -1218,7 +1215,7 @@ def test_gpu_gluon_gate_up_against_cpu_reference(tokens, gemm, monkeypatch):
     with override_kernel_options(moe_gemm=gemm):
         test_gpu_kernels_against_cpu_reference("m3_fp8", tokens)
         why = {"options": kernel_options().to_dict(), "same_module": kt.moe_gluon is mg,
-               "tiles": kt.tile_config(tokens, 2, 8, True)}
+               "tiles": plan.tile_config(tokens, 2, 8, True)}
     # It stayed empty in the whole suite while the file alone passed (2026-12-02/03): transformers'
     # import had loaded a second copy of our kernels, whose options the override did not reach
     # (fixed; tests/test_import_names.py). Say what was in force if it ever does again

@@ -21,6 +21,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="needs triton (pip install triton)")
 
+from minimax_backend.kernels import moe_plan as plan  # noqa: E402
 from minimax_backend.kernels.interpreter import triton_interpreting  # noqa: E402
 
 if triton_interpreting():
@@ -116,8 +117,8 @@ def moe():
 @pytest.mark.parametrize("bm, bn, shared_width", [(16, 64, 0), (16, 64, 1536), (64, 128, 1536), (128, 128, 1536)])
 def test_moe_down_kernel_loads_weights_in_16_byte_copies(moe, bm, bn, shared_width):
     """M3 at EP 1 (no narrower shared expert) and EP 2 (a 1536-wide shared slice: two K loops)."""
-    cfg = moe.tile_config({16: 1, 64: 4000, 128: 8192}[bm], 4, 128, True)
-    stages = moe.down_stages(cfg["down_stages"], shared_width > 0, bm, bn, 128, 1)
+    cfg = plan.tile_config({16: 1, 64: 4000, 128: 8192}[bm], 4, 128, True)
+    stages = plan.down_stages(cfg["down_stages"], shared_width > 0, bm, bn, 128, 1)
     consts = dict(FP8, K=3072, K_SHARED=shared_width, SHARED=shared_width > 0, BM=bm, BN=bn)
     ptx, shared = compile_sm90(moe._down_kernel, DOWN_SIG, consts, DOWN_ALIGNED, num_warps=cfg["down_warps"],
                                num_stages=stages)
@@ -132,14 +133,14 @@ def test_down_stages_keep_two_k_loops_in_shared_memory(moe):
     consts = dict(FP8, K=3072, K_SHARED=1536, SHARED=True, BM=128, BN=128)
     _, uncapped = compile_sm90(moe._down_kernel, DOWN_SIG, consts, DOWN_ALIGNED, num_warps=8, num_stages=4)
     assert uncapped > H200_SHARED_BYTES
-    stages = moe.down_stages(4, True, 128, 128, 128, 1)
+    stages = plan.down_stages(4, True, 128, 128, 128, 1)
     _, capped = compile_sm90(moe._down_kernel, DOWN_SIG, consts, DOWN_ALIGNED, num_warps=8, num_stages=stages)
     assert stages < 4 and capped <= H200_SHARED_BYTES
 
 
 @pytest.mark.parametrize("bm, shared", [(16, False), (16, True), (128, True)])
 def test_moe_gate_up_kernel_loads_weights_in_16_byte_copies(moe, bm, shared):
-    cfg = moe.tile_config({16: 1, 128: 8192}[bm], 4, 128, True)
+    cfg = plan.tile_config({16: 1, 128: 8192}[bm], 4, 128, True)
     consts = dict(FP8, K=6144, ACT=0, BM=bm, BN=128, SHARED=shared)
     ptx, shared = compile_sm90(moe._gate_up_act_kernel, GATE_UP_SIG, consts, GATE_UP_ALIGNED,
                                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -175,7 +176,7 @@ def test_moe_tile_table_compiles_without_register_spills(moe, fp8, tokens, tmp_p
     registers. Spilling configs measured 3-5x slower on the H200 (BLOCK_M 128 with 4 warps
     holds the gate and up accumulators and, in FP8, their per-K-step products:
     docs/kernel-notes.md#moe-tiles)."""
-    cfg = moe.tile_config(tokens, 4, 128, fp8)
+    cfg = plan.tile_config(tokens, 4, 128, fp8)
     base = dict(FP8 if fp8 else BF16, BK=cfg["BK"], BM=cfg["BM"])
     sig_gate_up = GATE_UP_SIG if fp8 else {**GATE_UP_SIG, "x_ptr": "*bf16", "h_ptr": "*bf16"}
     sig_down = DOWN_SIG if fp8 else {**DOWN_SIG, "h_ptr": "*bf16"}
@@ -198,7 +199,7 @@ def test_moe_programs_grouped_by_expert_compile_without_register_spills(moe, fp8
     from minimax_backend.kernels.options import override_kernel_options
 
     with override_kernel_options(moe_expert_groups=8):
-        cfg = moe.tile_config(8192, 4, 128, fp8)
+        cfg = plan.tile_config(8192, 4, 128, fp8)
     assert cfg["GROUP_M"] == -1 and cfg["EXPERT_GROUPS"] == 8
     base = dict(FP8 if fp8 else BF16, BK=cfg["BK"], BM=cfg["BM"])
     sig_gate_up = GATE_UP_SIG if fp8 else {**GATE_UP_SIG, "x_ptr": "*bf16", "h_ptr": "*bf16"}
@@ -248,7 +249,7 @@ def test_gate_up_as_one_product_compiles_to_wider_mmas(moe, fp8, bm, tmp_path):
 def test_grouped_tile_order_compiles_like_the_default(moe, tmp_path):
     """moe_group_m (the programs' order) at the FP8 prefill tiles: the same loops, so no spills,
     16-byte weight copies and the default's shared memory."""
-    cfg = moe.tile_config(8192, 4, 128, True)
+    cfg = plan.tile_config(8192, 4, 128, True)
     for kernel, sig, aligned, consts, warps, stages in (
             (moe._gate_up_act_kernel, GATE_UP_SIG, GATE_UP_ALIGNED,
              dict(FP8, K=6144, ACT=0, BM=cfg["BM"], BN=128, SHARED=True), cfg["num_warps"], cfg["num_stages"]),

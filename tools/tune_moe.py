@@ -12,7 +12,7 @@ option moe_tiles takes it) the experts' grouped GEMMs
 in a CUDA graph; torch.profiler gives each kernel's time per call, so the
 gate/up and down kernels can be tuned apart. TFLOP/s count the useful
 multiply-adds (the routed pairs and the shared expert's rows, no padding).
-The table tile_config() ships (kernels/moe_triton.py) is chosen from these
+The table tile_config() ships (kernels/moe_plan.py) is chosen from these
 runs: docs/kernel-notes.md#moe-tiles. --sustained SECONDS also runs each config
 back to back with the SM clock and board power beside it: at prefill sizes the
 card sits at its power limit, where a burst's ranking of tiles need not hold
@@ -37,7 +37,7 @@ BF16_CONFIGS = ["64,128,64,4,3", "64,128,64,4,4", "64,128,64,8,4", "128,128,64,8
 def _tiles(config: str, tokens: int, top_k: int, num_experts: int, fp8: bool) -> dict:
     """The launch config of one sweep entry: the kernel option moe_tiles' parsing and checks, and
     tile_config's dict for it."""
-    from minimax_backend.kernels.moe_triton import tile_config
+    from minimax_backend.kernels.moe_plan import tile_config
     from minimax_backend.kernels.options import override_kernel_options
 
     try:
@@ -71,7 +71,7 @@ def trio_rows_for(gemm: str, trio_rows: list[str]) -> list[str]:
 def variants(tokens: int, top_k: int, num_experts: int, fp8: bool, gate_up: tuple[str, ...],
              group_m: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The products and tile orders to run: those asked for, else tile_config's pick at this size."""
-    from minimax_backend.kernels.moe_triton import tile_config
+    from minimax_backend.kernels.moe_plan import tile_config
 
     table = tile_config(tokens, top_k, num_experts, fp8)
     table_order = table["GROUP_M"] if table["GROUP_M"] >= 0 else f"expert:{table['EXPERT_GROUPS']}"
