@@ -369,6 +369,55 @@ if HAVE_TRITON:
                 acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
         return tl.split(tl.reshape(acc, (BM, BN, 2)))
 
+    @triton.jit
+    def _gate_up_act_rows(x_ptr, xs_ptr, w, ws, sorted_pair, h_ptr, hs_ptr, row0, pid_n, N_HALF, top_k, stride_x,
+                          stride_xs, stride_h, stride_hs, alpha, limit, beta, K: tl.constexpr, ACT: tl.constexpr,
+                          FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr, UPCAST: tl.constexpr,
+                          IEEE: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          ONE_DOT: tl.constexpr):
+        """h for ROWS sorted rows from row0 and one BN-column tile: the gate/up product, the
+        activation, and in FP8 the 1 x 128 quantization of h."""
+        rows = row0 + tl.arange(0, ROWS)
+        pair = tl.load(sorted_pair + rows)
+        valid = pair >= 0
+        token = tl.where(valid, pair // top_k, 0).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < N_HALF
+        if ONE_DOT:
+            acc_g, acc_u = _gate_up_one_dot(x_ptr, xs_ptr, w, ws, token, valid, pid_n, N_HALF, stride_x, stride_xs,
+                                            K, FP8, UPCAST, IEEE, ROWS, BN, BK)
+        else:
+            acc_g, acc_u = _gate_up_two_dots(x_ptr, xs_ptr, w, ws, token, valid, pid_n, N_HALF, stride_x, stride_xs,
+                                             K, FP8, UPCAST, IEEE, ROWS, BN, BK)
+        # The eager MLP rounds the gate/up GEMM to the activation dtype first.
+        g = _round_out(acc_g, OUT_KIND, INTERP)
+        u = _round_out(acc_u, OUT_KIND, INTERP)
+        if ACT == 0:  # SwiGLU-OAI
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            h = (u + beta) * (g * tl.sigmoid(g * alpha))
+        else:  # SiLU-gated
+            h = g * tl.sigmoid(g) * u
+        h = _round_out(h, OUT_KIND, INTERP)
+        out_rows = rows.to(tl.int64)
+        if FP8:
+            # 1 x 128 quantization of h (BN == 128): power-of-two scale from the exponent bits.
+            amax = tl.maximum(tl.max(tl.where(n_ok[None, :], tl.abs(h), 0.0), axis=1), 1e-30)
+            v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+            vb = v.to(tl.int32, bitcast=True)
+            ex = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
+            scale = (ex << 23).to(tl.float32, bitcast=True)
+            inv = ((254 - ex) << 23).to(tl.float32, bitcast=True)
+            q = tl.minimum(tl.maximum(h * inv[:, None], -448.0), 448.0)
+            if INTERP:
+                q = round_e4m3(q)
+            tl.store(h_ptr + out_rows[:, None] * stride_h + offs_n[None, :], q.to(tl.float8e4nv),
+                     mask=n_ok[None, :] & (out_rows[:, None] >= 0))
+            tl.store(hs_ptr + out_rows * stride_hs + pid_n, scale)
+        else:
+            tl.store(h_ptr + out_rows[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                     mask=n_ok[None, :] & (out_rows[:, None] >= 0))
+
     # K (and top_k below) are constexpr: the loops need Python ints as bounds under the
     # interpreter of triton 3.6 with numpy 2 (a runtime int arrives as a 1-element array
     # there: "only 0-dimensional arrays can be converted", seen on the GPU box). One
@@ -382,6 +431,7 @@ if HAVE_TRITON:
         ACT: tl.constexpr, FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr,
         UPCAST: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         ONE_DOT: tl.constexpr = False, GROUP_M: tl.constexpr = 0, PDL: tl.constexpr = False,
+        HALVES: tl.constexpr = False,
     ):
         wait_then_release(PDL)  # kernels/launch_overlap.py
         pid_m, pid_n = _tile_of(tl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
@@ -392,12 +442,6 @@ if HAVE_TRITON:
         if SHARED:
             N_HALF = tl.where(e == n_local - 1, N_SHARED, N)
         if (e < n_local) & (pid_n * BN < N_HALF):
-            rows = pid_m * BM + tl.arange(0, BM)
-            pair = tl.load(sorted_pair + rows)
-            valid = pair >= 0
-            token = tl.where(valid, pair // top_k, 0).to(tl.int64)
-            offs_n = pid_n * BN + tl.arange(0, BN)
-            n_ok = offs_n < N_HALF
             # expert weights have the activation's element type (bf16 / fp16 / fp32, or fp8 with fp8).
             # A pointer read from memory has no known alignment: without the hint (allocations are
             # 512-byte aligned) Triton loads the weight tiles byte by byte.
@@ -407,40 +451,20 @@ if HAVE_TRITON:
             ws = w
             if FP8:
                 ws = tl.load(ws_table + e).to(tl.pointer_type(tl.float32))
-            if ONE_DOT:
-                acc_g, acc_u = _gate_up_one_dot(x_ptr, xs_ptr, w, ws, token, valid, pid_n, N_HALF, stride_x, stride_xs,
-                                                K, FP8, UPCAST, IEEE, BM, BN, BK)
+            row0 = pid_m * BM
+            # HALVES (kernel option moe_half_blocks): an expert's run ends inside its last block, so
+            # where the second half of a block is padding only the first half is multiplied
+            half_idle = False
+            if HALVES:  # a compile-time test: without it one copy of the loop
+                half_idle = tl.load(sorted_pair + row0 + BM // 2) < 0
+            if half_idle:
+                _gate_up_act_rows(x_ptr, xs_ptr, w, ws, sorted_pair, h_ptr, hs_ptr, row0, pid_n, N_HALF, top_k,
+                                  stride_x, stride_xs, stride_h, stride_hs, alpha, limit, beta, K, ACT, FP8,
+                                  OUT_KIND, INTERP, UPCAST, IEEE, BM // 2, BN, BK, ONE_DOT)
             else:
-                acc_g, acc_u = _gate_up_two_dots(x_ptr, xs_ptr, w, ws, token, valid, pid_n, N_HALF, stride_x, stride_xs,
-                                                 K, FP8, UPCAST, IEEE, BM, BN, BK)
-            # The eager MLP rounds the gate/up GEMM to the activation dtype first.
-            g = _round_out(acc_g, OUT_KIND, INTERP)
-            u = _round_out(acc_u, OUT_KIND, INTERP)
-            if ACT == 0:  # SwiGLU-OAI
-                g = tl.minimum(g, limit)
-                u = tl.minimum(tl.maximum(u, -limit), limit)
-                h = (u + beta) * (g * tl.sigmoid(g * alpha))
-            else:  # SiLU-gated
-                h = g * tl.sigmoid(g) * u
-            h = _round_out(h, OUT_KIND, INTERP)
-            out_rows = rows.to(tl.int64)
-            if FP8:
-                # 1 x 128 quantization of h (BN == 128): power-of-two scale from the exponent bits.
-                amax = tl.maximum(tl.max(tl.where(n_ok[None, :], tl.abs(h), 0.0), axis=1), 1e-30)
-                v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-                vb = v.to(tl.int32, bitcast=True)
-                ex = ((vb >> 23) & 0xFF) + ((vb & 0x7FFFFF) != 0).to(tl.int32)
-                scale = (ex << 23).to(tl.float32, bitcast=True)
-                inv = ((254 - ex) << 23).to(tl.float32, bitcast=True)
-                q = tl.minimum(tl.maximum(h * inv[:, None], -448.0), 448.0)
-                if INTERP:
-                    q = round_e4m3(q)
-                tl.store(h_ptr + out_rows[:, None] * stride_h + offs_n[None, :], q.to(tl.float8e4nv),
-                         mask=n_ok[None, :] & (out_rows[:, None] >= 0))
-                tl.store(hs_ptr + out_rows * stride_hs + pid_n, scale)
-            else:
-                tl.store(h_ptr + out_rows[:, None] * stride_h + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
-                         mask=n_ok[None, :] & (out_rows[:, None] >= 0))
+                _gate_up_act_rows(x_ptr, xs_ptr, w, ws, sorted_pair, h_ptr, hs_ptr, row0, pid_n, N_HALF, top_k,
+                                  stride_x, stride_xs, stride_h, stride_hs, alpha, limit, beta, K, ACT, FP8,
+                                  OUT_KIND, INTERP, UPCAST, IEEE, BM, BN, BK, ONE_DOT)
 
     @triton.jit
     def _down_acc(h_ptr, hs_ptr, w, ws, rows, offs_n, n_ok, pid_n, stride_h, stride_hs,
@@ -473,13 +497,44 @@ if HAVE_TRITON:
         return acc
 
     @triton.jit
+    def _down_rows(h_ptr, hs_ptr, w, ws, sorted_pair, topk_w, y_ptr, row0, pid_n, is_shared, N, stride_h, stride_hs,
+                   stride_y, K: tl.constexpr, K_SHARED: tl.constexpr, SHARED: tl.constexpr, FP8: tl.constexpr,
+                   OUT_KIND: tl.constexpr, INTERP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                   ROWS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """y for ROWS sorted rows from row0 and one BN-column tile: the down product in the model
+        dtype times each pair's routing weight."""
+        rows = (row0 + tl.arange(0, ROWS)).to(tl.int64)
+        pair = tl.load(sorted_pair + rows)
+        valid = pair >= 0
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < N
+        # SHARED and K_SHARED != K: two copies of the loop, each with its own pipeline
+        # buffers (the host caps the stages to fit both in shared memory); one width: one loop
+        if SHARED and K_SHARED != K:  # (a compile-time test)
+            if is_shared:
+                acc = _down_acc(h_ptr, hs_ptr, w, ws, rows, offs_n, n_ok, pid_n, stride_h, stride_hs,
+                                K_SHARED, FP8, UPCAST, IEEE, ROWS, BN, BK)
+            else:
+                acc = _down_acc(h_ptr, hs_ptr, w, ws, rows, offs_n, n_ok, pid_n, stride_h, stride_hs,
+                                K, FP8, UPCAST, IEEE, ROWS, BN, BK)
+        else:
+            acc = _down_acc(h_ptr, hs_ptr, w, ws, rows, offs_n, n_ok, pid_n, stride_h, stride_hs,
+                            K, FP8, UPCAST, IEEE, ROWS, BN, BK)
+        # expert output in the model dtype (as eager), times the routing weight in float32
+        wt = tl.load(topk_w + tl.where(valid, pair, 0), mask=valid, other=0.0)
+        y = _round_out(acc, OUT_KIND, INTERP) * wt[:, None]
+        y = _round_out(y, OUT_KIND, INTERP)
+        tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=n_ok[None, :] & valid[:, None])
+
+    @triton.jit
     def _down_kernel(
         h_ptr, hs_ptr, w_table, ws_table, sorted_pair, block_expert, topk_w, y_ptr,
         N, n_local, num_m_blocks, num_n_tiles, stride_h, stride_hs, stride_y,
         K: tl.constexpr, K_SHARED: tl.constexpr, SHARED: tl.constexpr,
         FP8: tl.constexpr, OUT_KIND: tl.constexpr, INTERP: tl.constexpr, UPCAST: tl.constexpr,
         IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr = 0,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = False, HALVES: tl.constexpr = False,
     ):
         wait_then_release(PDL)
         # K: a routed expert's intermediate width; SHARED: the last expert is the shared one,
@@ -489,35 +544,24 @@ if HAVE_TRITON:
         pid_m, pid_n = _tile_of(tl.program_id(0), num_m_blocks, num_n_tiles, GROUP_M, block_expert + num_m_blocks)
         e = tl.load(block_expert + pid_m)
         if e < n_local:
-            rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
-            pair = tl.load(sorted_pair + rows)
-            valid = pair >= 0
-            offs_n = pid_n * BN + tl.arange(0, BN)
-            n_ok = offs_n < N
             w = tl.load(w_table + e).to(tl.pointer_type(h_ptr.dtype.element_ty))
             if not INTERP:  # alignment hint, see _gate_up_act_kernel
                 w = tl.multiple_of(w, 16)
             ws = w
             if FP8:
                 ws = tl.load(ws_table + e).to(tl.pointer_type(tl.float32))
-            # SHARED and K_SHARED != K: two copies of the loop, each with its own pipeline
-            # buffers (the host caps the stages to fit both in shared memory); one width: one loop
-            if SHARED and K_SHARED != K:  # (a compile-time test)
-                if e == n_local - 1:
-                    acc = _down_acc(h_ptr, hs_ptr, w, ws, rows, offs_n, n_ok, pid_n, stride_h, stride_hs,
-                                    K_SHARED, FP8, UPCAST, IEEE, BM, BN, BK)
-                else:
-                    acc = _down_acc(h_ptr, hs_ptr, w, ws, rows, offs_n, n_ok, pid_n, stride_h, stride_hs,
-                                    K, FP8, UPCAST, IEEE, BM, BN, BK)
+            row0 = pid_m * BM
+            half_idle = False
+            if HALVES:  # as in _gate_up_act_kernel: a block whose second half is padding
+                half_idle = tl.load(sorted_pair + row0 + BM // 2) < 0
+            if half_idle:
+                _down_rows(h_ptr, hs_ptr, w, ws, sorted_pair, topk_w, y_ptr, row0, pid_n, e == n_local - 1, N,
+                           stride_h, stride_hs, stride_y, K, K_SHARED, SHARED, FP8, OUT_KIND, INTERP, UPCAST, IEEE,
+                           BM // 2, BN, BK)
             else:
-                acc = _down_acc(h_ptr, hs_ptr, w, ws, rows, offs_n, n_ok, pid_n, stride_h, stride_hs,
-                                K, FP8, UPCAST, IEEE, BM, BN, BK)
-            # expert output in the model dtype (as eager), times the routing weight in float32
-            wt = tl.load(topk_w + tl.where(valid, pair, 0), mask=valid, other=0.0)
-            y = _round_out(acc, OUT_KIND, INTERP) * wt[:, None]
-            y = _round_out(y, OUT_KIND, INTERP)
-            tl.store(y_ptr + rows[:, None] * stride_y + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
-                     mask=n_ok[None, :] & valid[:, None])
+                _down_rows(h_ptr, hs_ptr, w, ws, sorted_pair, topk_w, y_ptr, row0, pid_n, e == n_local - 1, N,
+                           stride_h, stride_hs, stride_y, K, K_SHARED, SHARED, FP8, OUT_KIND, INTERP, UPCAST, IEEE,
+                           BM, BN, BK)
 
     @triton.jit
     def _combine_kernel(y_ptr, pair_row, out_ptr, N, top_k: tl.constexpr, stride_y, stride_out,
@@ -642,6 +686,8 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
     interp = _interpreting()
     ieee = x.dtype == torch.float32 and not interp  # float32 in, float32 math (Triton's default is TF32)
     upcast = interp and not fp8  # the interpreter's bf16 tl.dot is wrong; its fp8 dot is right
+    # kernel option moe_half_blocks: the Triton kernels' half-block copy (rows of 16 at least)
+    halves = kernel_options().moe_half_blocks == "on" and bm >= 32
     if group_m < 0 and not cfg.get("EXPERT_GROUPS"):
         raise ValueError("grouped_gated_mlp: GROUP_M -1 (groups by expert) needs EXPERT_GROUPS, the largest group")
     gluon = fp8 and moe_plan.gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared)
@@ -722,7 +768,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
             hidden, n, n_shared, k, n_experts, num_m, n_tiles, xq.stride(0), xs.stride(0), h.stride(0), hs.stride(0),
             float(alpha), float(limit), float(beta), shared is not None,
             ACT=_ACT[kind], FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn,
-            BK=bk, ONE_DOT=one_dot, GROUP_M=group_m, **launch, **pdl_launch(overlap),
+            BK=bk, ONE_DOT=one_dot, GROUP_M=group_m, HALVES=halves, **launch, **pdl_launch(overlap),
         )
     if gluon_down:
         # the Gluon down GEMM over the same 192-row blocks, in the gate/up's order
@@ -738,7 +784,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
             hidden, n_experts, num_m, n_tiles, h.stride(0), hs.stride(0), y.stride(0),
             K=n, K_SHARED=n_shared, SHARED=shared is not None,
             FP8=fp8, OUT_KIND=_OUT_KIND[out_dt], INTERP=interp, UPCAST=upcast, IEEE=ieee, BM=bm, BN=bn_down, BK=bk,
-            GROUP_M=group_m, **down_launch, **pdl_launch(overlap),
+            GROUP_M=group_m, HALVES=halves, **down_launch, **pdl_launch(overlap),
         )
     out = torch.empty(t, hidden, dtype=out_dt if shared is not None else torch.float32, device=dev)
     cb = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)

@@ -36,7 +36,7 @@ triton = pytest.importorskip("triton", reason="the Triton MoE path needs triton 
 # The non-default MoE kernel switches (kernels/options.py), as option=value.
 OTHER_SWITCHES = ["moe_align=torch", "moe_shared=separate", "moe_route=torch", "moe_select=separate", "moe_overlap=off",
                   "moe_gate_up=one_dot", "moe_gate_up=two_dots", "moe_group_m=4", "moe_group_m=0",
-                  "moe_expert_groups=4", "moe_gemm=auto"]
+                  "moe_expert_groups=4", "moe_gemm=auto", "moe_half_blocks=on"]
 
 
 class _Launches:
@@ -90,8 +90,8 @@ def _switched(switch: str):
         # The Triton kernels' own switches are checked on the Triton gate/up: pinned, whatever
         # moe_gemm's default is (auto runs the Gluon gate/up at FP8 prefill sizes on sm_90, and
         # over 192-row blocks the Gluon down too: no Triton GEMM launch is left to look at)
-        pin = ({"moe_gemm": "triton"} if name in ("moe_gate_up", "moe_group_m", "moe_expert_groups", "moe_overlap")
-               else {})
+        pin = ({"moe_gemm": "triton"} if name in ("moe_gate_up", "moe_group_m", "moe_expert_groups", "moe_overlap",
+                                                  "moe_half_blocks") else {})
         with override_kernel_options(**{name: value, **pin}):
             yield
     assert grouped, f"{switch}: the ops never reached kernels/moe_triton.py's grouped GEMMs"
@@ -116,6 +116,9 @@ def _switched(switch: str):
     elif name == "moe_expert_groups":
         launches = gate_up.kwargs + down.kwargs
         assert launches and all(kw["GROUP_M"] == -1 for kw in launches), switch
+    elif name == "moe_half_blocks":  # the half copy wherever a block has halves of 16 rows or more
+        launches = gate_up.kwargs + down.kwargs
+        assert launches and all(kw["HALVES"] == (kw["BM"] >= 32) for kw in launches), switch
     elif name == "moe_gemm":  # where gluon_fits says yes a Gluon gate/up (64- or 192-row) runs, elsewhere the Triton one
         assert len(gluon) == sum(1 for _, yes in fits if yes), f"{switch}: {len(gluon)} Gluon launches"
 
@@ -832,6 +835,39 @@ def test_triton_alignment_refuses_too_many_pairs(interp):
 
     with pytest.raises(ValueError, match="pairs"):
         align_by_expert_triton(torch.zeros(MAX_PAIRS + 1, 1, dtype=torch.int64), 0, 8, 16)
+
+
+@pytest.mark.parametrize("bm", [32, 64])
+@pytest.mark.parametrize("case", ["m3_f32", "m3_bf16", "m3_fp8"])
+def test_half_blocks_compute_the_same_bits(interp, monkeypatch, case, bm):
+    """moe_half_blocks=on: a block whose second half is padding multiplies only its first half, in
+    both kernels; every row the same bits as the whole block's. Runs of 37 rows (a last block of 5),
+    20 (past the half at BLOCK_M 32) and ~6 (a first half only), some experts idle."""
+    kt = interp
+    make, dtype, fp8, tol = CASES[case]
+    w = R.MoEWeights(*K.block_op_args(_block(make, dtype, fp8)))
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(37, 256, generator=g).to(dtype)
+    second = torch.cat([torch.full((20,), 5), torch.randint(0, 3, (17,), generator=g)])
+    ids = torch.stack([torch.full((37,), 6), second], 1)
+    tw = torch.rand(37, 2, generator=g)
+    tails = torch.bincount(ids.flatten(), minlength=8) % bm
+    assert ((tails > 0) & (tails <= bm // 2)).any()  # blocks that take the half copy
+    if bm == 32:
+        assert (tails > bm // 2).any()  # and a last block past its half, which does not
+    sc = (w.w13_scale, w.w2_scale) if fp8 else (None, None)
+    cfg = {"BM": bm, "BN": 128, "BK": 128 if fp8 else 64, "GROUP_M": 0}
+    gate_up, down = _Launches(kt._gate_up_act_kernel), _Launches(kt._down_kernel)
+    monkeypatch.setattr(kt, "_gate_up_act_kernel", gate_up)
+    monkeypatch.setattr(kt, "_down_kernel", down)
+    outs = {}
+    for halves in ("off", "on"):
+        with override_kernel_options(moe_half_blocks=halves):
+            outs[halves] = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, *sc, 0, "swigluoai", w.alpha, w.limit,
+                                                w.beta, 8, cfg)
+    assert [kw["HALVES"] for kw in gate_up.kwargs] == [kw["HALVES"] for kw in down.kwargs] == [False, True]
+    assert _err(outs["off"], R.local_experts_reference(x, ids, tw, w), fp8) <= TOL[tol]
+    assert torch.equal(outs["on"], outs["off"])
 
 
 # each switch once in the interpreter (the GPU tests run every switch x dtype): the sort and the

@@ -193,6 +193,36 @@ def test_moe_tile_table_compiles_without_register_spills(moe, fp8, tokens, tmp_p
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("tokens", [1000, 4096, 16384])
+def test_moe_half_blocks_compile_without_register_spills(moe, fp8, tokens, tmp_path):
+    """The kernel option moe_half_blocks (HALVES: a second copy of each kernel's loop at half the
+    block's rows) at the table's tiles from BLOCK_M 32 on: both kernels spill no more than without
+    it (nothing from BLOCK_M 64; FP8 at BLOCK_M 32 spills 16 B a thread either way under Triton
+    3.9) and stay within the H200's shared memory."""
+    cfg = plan.tile_config(tokens, 4, 128, fp8)
+    assert cfg["BM"] >= 32
+    base = dict(FP8 if fp8 else BF16, BK=cfg["BK"], BM=cfg["BM"])
+    sig_gate_up = GATE_UP_SIG if fp8 else {**GATE_UP_SIG, "x_ptr": "*bf16", "h_ptr": "*bf16"}
+    sig_down = DOWN_SIG if fp8 else {**DOWN_SIG, "h_ptr": "*bf16"}
+    spills, shared = {}, 0
+    for halves in (False, True):
+        gate_up = compiled_sm90(moe._gate_up_act_kernel, sig_gate_up,
+                                dict(base, K=6144, ACT=0, BN=cfg["BN"], SHARED=False, ONE_DOT=cfg["ONE_DOT"],
+                                     GROUP_M=cfg["GROUP_M"], HALVES=halves),
+                                GATE_UP_ALIGNED, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        down = compiled_sm90(moe._down_kernel, sig_down, dict(base, K=3072, K_SHARED=0, SHARED=False,
+                                                              BN=cfg["BN_DOWN"], GROUP_M=cfg["GROUP_M"],
+                                                              HALVES=halves),
+                             DOWN_ALIGNED, num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
+        spills[halves] = (local_memory_bytes(gate_up, tmp_path), local_memory_bytes(down, tmp_path))
+        shared = max(shared, gate_up.metadata.shared, down.metadata.shared)
+    assert spills[True] == spills[False], (cfg, spills)
+    if cfg["BM"] >= 64:
+        assert spills[True] == (0, 0), cfg
+    assert shared <= H200_SHARED_BYTES
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
 def test_moe_programs_grouped_by_expert_compile_without_register_spills(moe, fp8, tmp_path):
     """The kernel option moe_expert_groups (GROUP_M -1: each program's group read from a table) at
     the prefill tiles: both kernels still compile for sm_90 and keep everything in registers."""

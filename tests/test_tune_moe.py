@@ -68,17 +68,19 @@ def test_tune_moe_refuses_gluon_on_cpu():
 def test_tune_moe_sustained_columns_and_expert_groups(tmp_path, fake_nvidia_smi):
     """--sustained: every config also timed back to back, with the clock and power read beside it
     (a CPU smoke run: the nvidia-smi on PATH is the test's script, 1500 MHz and 690.5 W); with
-    --expert-groups the groups by expert are run beside the table's order."""
+    --expert-groups the groups by expert are run beside the table's order; --half-blocks off on runs
+    each with and without the half-block copy (BLOCK_M 32: the tiny model's blocks are half idle)."""
     pytest.importorskip("triton", reason="the kernels need triton")
     out = tmp_path / "tune.json"
     cmd = [sys.executable, "-m", "minimax_backend.tools.tune_moe", "--device", "cpu", "--preset", "tiny-m3",
-           "--tokens", "5", "--precisions", "bf16", "--calls", "1", "--configs", "16,128,64,4,2",
-           "--expert-groups", "2", "--sustained", "0.3", "--json", str(out)]
+           "--tokens", "5", "--precisions", "bf16", "--calls", "1", "--configs", "32,128,64,4,2",
+           "--expert-groups", "2", "--half-blocks", "off", "on", "--sustained", "0.3", "--json", str(out)]
     r = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     # --expert-groups: the table's order (decode size: rows fastest) and the groups by expert
-    assert [row["group_m"] for row in rows] == [0, "expert:2"]
+    assert [(row["half_blocks"], row["group_m"]) for row in rows] == [
+        ("off", 0), ("off", "expert:2"), ("on", 0), ("on", "expert:2")]
     for row in rows:
         assert row["sustained_us"] > 0 and row["sustained_layer_tflops"] > 0
         assert (row["sm_mhz"], row["watts"]) == (1500.0, 690.5)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 
 import torch
 
@@ -184,6 +185,9 @@ def main(argv=None) -> None:
     p.add_argument("--trio-rows", nargs="+", choices=["all", "live"], default=["live"],
                    help="the 192-row Gluon GEMMs' row loads under --moe-gemm gluon192 (kernel option moe_trio_rows; "
                         "live: only the 64-row tiles of groups that hold rows)")
+    p.add_argument("--half-blocks", nargs="+", choices=["off", "on"], default=["off"],
+                   help="the Triton grouped GEMMs' half-block copy (kernel option moe_half_blocks; on: a block whose "
+                        "second half is padding multiplies only its first half)")
     p.add_argument("--preset", default="m3")
     p.add_argument("--calls", type=int, default=3, help="profiled calls per config")
     p.add_argument("--sustained", type=seconds_arg, default=0.0, metavar="SECONDS",
@@ -229,18 +233,20 @@ def main(argv=None) -> None:
                     print(f"[tune_moe] {precision}: none of --moe-gemm {' '.join(args.moe_gemm)} has a {precision} "
                           "form (BF16: triton, gluon192); nothing run", flush=True)
                 for gemm, down in pairs:
-                    for trio_rows in trio_rows_for(gemm, args.trio_rows):
+                    for trio_rows, halves in itertools.product(trio_rows_for(gemm, args.trio_rows),
+                                                               args.half_blocks):
                         with torch.no_grad(), override_kernel_options(moe_gemm=gemm, moe_down=down,
-                                                                      moe_trio_rows=trio_rows):
+                                                                      moe_trio_rows=trio_rows,
+                                                                      moe_half_blocks=halves):
                             found = sweep(blk, cfg, tokens, configs, args.calls, device, tuple(args.gate_up),
                                           _orders(args), args.sustained, power)
                         for r in found:  # tagged in place: the sampler's windows hold these same dicts
-                            r.update(precision=precision, moe_gemm=gemm, trio_rows=trio_rows,
+                            r.update(precision=precision, moe_gemm=gemm, trio_rows=trio_rows, half_blocks=halves,
                                      moe_down="gluon192" if down == "auto" else down)
                         rows += found
             del blk
     ok = [r for r in rows if "error" not in r]
-    print_table(ok, ["precision", "moe_gemm", "moe_down", "trio_rows", "tokens", "config", "gate_up", "group_m",
+    print_table(ok, ["precision", "moe_gemm", "moe_down", "trio_rows", "half_blocks", "tokens", "config", "gate_up", "group_m",
                      "call_us", "gate_up_us", "gate_up_tflops", "down_us", "down_tflops", "rest_us", "layer_tflops",
                      *(["sustained_us", "sustained_layer_tflops", "sm_mhz", "watts"] if args.sustained else [])],
                 title="MoE grouped GEMMs per tile config")
