@@ -155,6 +155,13 @@ def gluon_down_fits(trio: bool) -> bool:
     return trio and kernel_options().moe_down == "auto"
 
 
+def half_blocks_fit(block_m: int) -> bool:
+    """Whether the Triton gate/up and down kernels take their half-block copy (kernel option
+    moe_half_blocks=on): a block whose second half is padding multiplies only its first half,
+    which needs halves of 16 rows at least (the smallest tl.dot)."""
+    return kernel_options().moe_half_blocks == "on" and block_m >= 32
+
+
 def shared_in_grouped_launch(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool,
                              width: int, shared_width: int) -> bool:
     """Whether the shared expert runs inside the routed launches (kernel option moe_shared=merged,

@@ -686,8 +686,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
     interp = _interpreting()
     ieee = x.dtype == torch.float32 and not interp  # float32 in, float32 math (Triton's default is TF32)
     upcast = interp and not fp8  # the interpreter's bf16 tl.dot is wrong; its fp8 dot is right
-    # kernel option moe_half_blocks: the Triton kernels' half-block copy (rows of 16 at least)
-    halves = kernel_options().moe_half_blocks == "on" and bm >= 32
+    halves = moe_plan.half_blocks_fit(bm)
     if group_m < 0 and not cfg.get("EXPERT_GROUPS"):
         raise ValueError("grouped_gated_mlp: GROUP_M -1 (groups by expert) needs EXPERT_GROUPS, the largest group")
     gluon = fp8 and moe_plan.gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared)

@@ -112,3 +112,12 @@ def test_trio_rows_only_with_the_192_row_kernels():
 
     assert trio_rows_for("gluon192", ["all", "live"]) == ["all", "live"]
     assert trio_rows_for("gluon", ["all", "live"]) == trio_rows_for("triton", ["live"]) == ["all"]
+
+
+def test_half_blocks_only_where_a_triton_gemm_runs():
+    from minimax_backend.tools.tune_moe import half_blocks_for
+
+    assert half_blocks_for("gluon192", "auto", ["off", "on"]) == ["off"]  # both GEMMs in Gluon
+    assert half_blocks_for("gluon192", "triton", ["off", "on"]) == ["off", "on"]  # the Triton down
+    assert half_blocks_for("gluon", "triton", ["off", "on"]) == ["off", "on"]
+    assert half_blocks_for("triton", "triton", ["on"]) == ["on"]

@@ -69,6 +69,12 @@ def trio_rows_for(gemm: str, trio_rows: list[str]) -> list[str]:
     return trio_rows if gemm == "gluon192" else ["all"]
 
 
+def half_blocks_for(gemm: str, down: str, half_blocks: list[str]) -> list[str]:
+    """The moe_half_blocks values to run with one gate/up and down pair: only the Triton kernels read
+    it, and the 192-row Gluon gate/up with the Gluon down (moe_down auto) leaves none."""
+    return ["off"] if (gemm, down) == ("gluon192", "auto") else half_blocks
+
+
 def variants(tokens: int, top_k: int, num_experts: int, fp8: bool, gate_up: tuple[str, ...],
              group_m: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The products and tile orders to run: those asked for, else tile_config's pick at this size."""
@@ -234,7 +240,7 @@ def main(argv=None) -> None:
                           "form (BF16: triton, gluon192); nothing run", flush=True)
                 for gemm, down in pairs:
                     for trio_rows, halves in itertools.product(trio_rows_for(gemm, args.trio_rows),
-                                                               args.half_blocks):
+                                                               half_blocks_for(gemm, down, args.half_blocks)):
                         with torch.no_grad(), override_kernel_options(moe_gemm=gemm, moe_down=down,
                                                                       moe_trio_rows=trio_rows,
                                                                       moe_half_blocks=halves):
