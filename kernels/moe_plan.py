@@ -155,11 +155,17 @@ def gluon_down_fits(trio: bool) -> bool:
     return trio and kernel_options().moe_down == "auto"
 
 
-def half_blocks_fit(block_m: int) -> bool:
-    """Whether the Triton gate/up and down kernels take their half-block copy (kernel option
-    moe_half_blocks=on): a block whose second half is padding multiplies only its first half,
-    which needs halves of 16 rows at least (the smallest tl.dot)."""
-    return kernel_options().moe_half_blocks == "on" and block_m >= 32
+def half_blocks_fit(block_m: int, bf16: bool, rows_per_expert: float) -> bool:
+    """Whether the Triton gate/up and down kernels take their half-block copy: a block whose second
+    half is padding multiplies only its first half, which needs halves of 16 rows at least (the
+    smallest tl.dot). Kernel option moe_half_blocks: on / off everywhere; auto where it was measured
+    faster: BF16 at BLOCK_M 128 with at most a block of rows per expert on average, so that most
+    experts end in a part-empty block (one H100, 2026-12-07: M3 at 4096 tokens 2.8-4.4% faster per
+    call, 8192 mixed, 16384 slower; FP8 at BLOCK_M 64 slower; docs/kernel-notes.md#half-blocks-measured)."""
+    mode = kernel_options().moe_half_blocks
+    if mode == "off" or block_m < 32:
+        return False
+    return mode == "on" or (bf16 and block_m >= 128 and rows_per_expert <= block_m)
 
 
 def shared_in_grouped_launch(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool,

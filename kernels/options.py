@@ -27,7 +27,7 @@ environment, so a launcher sets the variables before it starts them.
 | moe_gemm         | MINIMAX_MOE_GEMM         | auto    | auto, triton, gluon, gluon192    | the expert GEMMs at prefill sizes: auto = the warp-specialized Gluon FP8 gate/up of kernels/moe_gluon.py where the GPU runs it (sm_90), in its 192-row form from 128 rows per expert, else Triton (BF16: Triton); gluon = the 64-row FP8 kernel or an error (BF16: Triton); gluon192 = the 192-row form (three 64-row groups share each weight tile; in BF16 too, gate/up and down) or an error; triton = the Triton loops |
 | moe_down         | MINIMAX_MOE_DOWN         | auto    | auto, triton                     | the down GEMM: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py wherever the gate/up runs over 192-row blocks, else Triton; triton = the Triton kernel always (and a BF16 layer wholly on Triton) |
 | moe_trio_rows    | MINIMAX_MOE_TRIO_ROWS    | live    | live, all                        | the 192-row Gluon GEMMs' producer: live = only the 64-row tiles of groups that hold rows (an idle group's tile is padding nobody reads: 3-13% fewer bytes a stage at M3's prefill sizes); all = every 64-row tile of a block into each stage |
-| moe_half_blocks  | MINIMAX_MOE_HALF_BLOCKS  | off     | off, on                          | on: the Triton grouped GEMMs multiply only the first half of a block whose second half is padding (an expert's run ends in its last block: at M3's 4096 tokens BF16 at BLOCK_M 128 multiplies 38% more rows than the useful ones, 19% with halves); not yet run on a GPU, so not the default |
+| moe_half_blocks  | MINIMAX_MOE_HALF_BLOCKS  | auto    | auto, off, on                    | on: the Triton grouped GEMMs multiply only the first half of a block whose second half is padding (an expert's run ends in its last block: at M3's 4096 tokens BF16 at BLOCK_M 128 multiplies 38% more rows than the useful ones, 19% with halves); auto: on for BF16 at BLOCK_M 128 where the experts average at most a block of rows (M3 up to 4096 tokens), where it was measured faster |
 | moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~15-40 torch kernels instead of Triton (one program up to 512 token-expert pairs, chunks of pairs in two launches past them) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
 | moe_select       | MINIMAX_MOE_SELECT       | fused   | fused, separate                  | fused: at decode sizes the router's logits launch also quantizes x for the expert GEMMs, and the selection, the shared expert's slot and the alignment run in one launch; separate: a quantization kernel, the selection kernel, two torch.cat and the alignment kernel |
@@ -93,10 +93,12 @@ docs/kernel-notes.md). Who runs them:
   tools/tune_moe.py --trio-rows all live times both forms;
 * moe_half_blocks: on (2026-12-07, twenty-seventh session) gives the Triton gate/up and down
   kernels a second copy of their loop at half the block's rows, taken where the block's second
-  half is padding (docs/kernel-notes.md#moe-against-both-limits counts the padding); the
-  interpreter tests of tests/test_moe_triton.py check it computes the same bits, the sm_90
-  codegen tests that it compiles without spills; it waits for a GPU run (`tools/tune_moe.py
-  --half-blocks off on`) before it can be the default;
+  half is padding (docs/kernel-notes.md#moe-against-both-limits counts the padding); auto (the
+  default since the twenty-eighth session) takes it for BF16 at BLOCK_M 128 where the experts
+  average at most one block of rows (moe_plan.half_blocks_fit): on an H100 the BF16 layer at 4096
+  tokens 2.8-4.4% faster per call and 1.4-1.8% back to back, mixed at 8192, 2.5-4.3% slower at
+  16384; FP8 at 2048 tokens (BLOCK_M 64) 3% slower (docs/kernel-notes.md#half-blocks-measured).
+  The GPU tests of tests/test_moe_triton.py ran with it on at every switch case (the same bits).
 * moe_align: triton takes the chunked alignment past 1024 pairs since 2026-12-04 (seventeenth
   session; kernels/moe_align_triton.py:align_with_triton), past 512 since 2026-12-05: on one H200 5.9-25 us a layer at
   2560-81920 pairs against the torch sort's 119-179 us and the one program's 48-50 us at
@@ -179,8 +181,9 @@ class KernelOptions:
         "MINIMAX_MOE_TRIO_ROWS", "live", "the 192-row Gluon GEMMs' producer: live = only the 64-row tiles of "
         "groups that hold rows; all = every 64-row tile of a block into each stage", choices=("live", "all"))
     moe_half_blocks: str = _switch(
-        "MINIMAX_MOE_HALF_BLOCKS", "off", "on: the Triton grouped GEMMs multiply only the first half of a block "
-        "whose second half is padding (not yet run on a GPU, so not the default)", choices=("off", "on"))
+        "MINIMAX_MOE_HALF_BLOCKS", "auto", "on: the Triton grouped GEMMs multiply only the first half of a block "
+        "whose second half is padding; auto: on for BF16 at BLOCK_M 128 where the experts average at most a block "
+        "of rows (measured faster there only)", choices=("auto", "off", "on"))
     moe_align: str = _switch(
         "MINIMAX_MOE_ALIGN", "triton", "torch: the experts' sorted layout from ~15-40 torch kernels instead of "
         "Triton (one program up to 512 token-expert pairs, chunks of pairs in two launches past them)",

@@ -15,7 +15,7 @@ from minimax_backend.kernels.options import KernelOptions, kernel_options, overr
 
 DEFAULTS = {
     "moe_kernel": "triton", "moe_tiles": None, "moe_gate_up": "auto", "moe_group_m": None,
-    "moe_expert_groups": None, "moe_gemm": "auto", "moe_down": "auto", "moe_trio_rows": "live", "moe_half_blocks": "off", "moe_align": "triton",
+    "moe_expert_groups": None, "moe_gemm": "auto", "moe_down": "auto", "moe_trio_rows": "live", "moe_half_blocks": "auto", "moe_align": "triton",
     "moe_route": "triton",
     "moe_select": "fused", "moe_overlap": "auto", "moe_router_logits": "auto", "moe_shared": "merged",
     "gemm_rs_fused": True, "gemm_rs_schedule": "auto", "gemm_rs_push": "copy", "gemm_rs_pieces": None,

@@ -870,6 +870,41 @@ def test_half_blocks_compute_the_same_bits(interp, monkeypatch, case, bm):
     assert torch.equal(outs["on"], outs["off"])
 
 
+@pytest.mark.parametrize("case, halves", [("m3_bf16", True), ("m3_fp8", False), ("m3_f32", False)])
+def test_half_blocks_by_default_only_in_bf16_at_block_m_128(interp, monkeypatch, case, halves):
+    """moe_half_blocks=auto (the default) takes the half copy where it was measured faster: BF16 at
+    BLOCK_M 128 with at most a block of rows per expert (37 tokens, top 2 of 8: 9 rows); FP8 and
+    float32 keep whole blocks at the same tiles."""
+    kt = interp
+    make, dtype, fp8, tol = CASES[case]
+    w = R.MoEWeights(*K.block_op_args(_block(make, dtype, fp8)))
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(5)).to(dtype)
+    ids, tw = w.route(x)
+    sc = (w.w13_scale, w.w2_scale) if fp8 else (None, None)
+    cfg = {"BM": 128, "BN": 128, "BK": 128 if fp8 else 64, "GROUP_M": 0, "num_warps": 8}
+    gate_up, down = _Launches(kt._gate_up_act_kernel), _Launches(kt._down_kernel)
+    monkeypatch.setattr(kt, "_gate_up_act_kernel", gate_up)
+    monkeypatch.setattr(kt, "_down_kernel", down)
+    out = kt.grouped_gated_mlp(x, ids, tw, w.w13, w.w2, *sc, 0, "swigluoai", w.alpha, w.limit, w.beta, 8, cfg)
+    assert [kw["HALVES"] for kw in gate_up.kwargs + down.kwargs] == [halves, halves]
+    assert _err(out, R.local_experts_reference(x, ids, tw, w), fp8) <= TOL[tol]
+
+
+def test_half_blocks_auto_rule_at_m3_sizes():
+    """The auto rule at M3's routing (top 4 of 128 experts): on at 4096 tokens (128 rows per expert,
+    BLOCK_M 128), off at 8192 (256 rows), never in FP8 or below BLOCK_M 128; on / off override it,
+    and no copy below halves of 16 rows."""
+    rows = lambda tokens: tokens * 4 / 128
+    assert plan.half_blocks_fit(128, True, rows(4096)) and plan.half_blocks_fit(128, True, rows(1024))
+    assert not plan.half_blocks_fit(128, True, rows(8192))
+    assert not plan.half_blocks_fit(128, False, rows(4096))  # FP8 / float32
+    assert not plan.half_blocks_fit(64, True, rows(2048))
+    with override_kernel_options(moe_half_blocks="on"):
+        assert plan.half_blocks_fit(32, False, rows(16384)) and not plan.half_blocks_fit(16, True, 1.0)
+    with override_kernel_options(moe_half_blocks="off"):
+        assert not plan.half_blocks_fit(128, True, rows(4096))
+
+
 # each switch once in the interpreter (the GPU tests run every switch x dtype): the sort and the
 # route do not depend on the dtype; the shared expert's own launches carry FP8 scales
 @pytest.mark.parametrize("switch, case, tokens", [

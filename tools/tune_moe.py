@@ -191,9 +191,9 @@ def main(argv=None) -> None:
     p.add_argument("--trio-rows", nargs="+", choices=["all", "live"], default=["live"],
                    help="the 192-row Gluon GEMMs' row loads under --moe-gemm gluon192 (kernel option moe_trio_rows; "
                         "live: only the 64-row tiles of groups that hold rows)")
-    p.add_argument("--half-blocks", nargs="+", choices=["off", "on"], default=["off"],
+    p.add_argument("--half-blocks", nargs="+", choices=["auto", "off", "on"], default=["auto"],
                    help="the Triton grouped GEMMs' half-block copy (kernel option moe_half_blocks; on: a block whose "
-                        "second half is padding multiplies only its first half)")
+                        "second half is padding multiplies only its first half; auto: the table's choice)")
     p.add_argument("--preset", default="m3")
     p.add_argument("--calls", type=int, default=3, help="profiled calls per config")
     p.add_argument("--sustained", type=seconds_arg, default=0.0, metavar="SECONDS",
