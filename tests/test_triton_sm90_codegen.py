@@ -192,7 +192,7 @@ def test_moe_tile_table_compiles_without_register_spills(moe, fp8, tokens, tmp_p
     if fp8 and cfg["BM"] == 32 and spilled != (0, 0):
         # found 2026-12-07: the FP8 tiles at BLOCK_M 32 (400-1536 tokens) spill a little, 8 B a
         # thread in the down kernel under the GPU box's Triton 3.6, 16 B in the gate/up under 3.9;
-        # what it costs is not measured (docs/measurements/2026-12-07.md)
+        # 8 warps spill nothing but ran 14% slower on an H100 (docs/kernel-notes.md#half-blocks-measured)
         pytest.xfail(f"triton {triton.__version__}: (gate/up, down) spill {spilled} B a thread at BLOCK_M 32")
     assert spilled == (0, 0), cfg
 
