@@ -38,6 +38,11 @@ def tile_config(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
     return cfg
 
 
+def rows_per_expert(tokens: int, top_k: int, num_experts: int) -> float:
+    """The routed rows an expert takes on average: what the tile table and the half-block rule key on."""
+    return tokens * top_k / max(num_experts, 1)
+
+
 def _tile_table(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: bool) -> dict:
     vals = kernel_options().moe_tiles  # BM, BN, BK, warps, stages[, BN_DOWN[, down warps, down stages]]
     if vals is not None:
@@ -45,7 +50,7 @@ def _tile_table(tokens: int, top_k: int, num_experts: int, fp8: bool, float32: b
         down_warps, down_stages = vals[6:8] if len(vals) == 8 else (warps, stages)
         return {"BM": bm, "BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages,
                 "BN_DOWN": vals[5] if len(vals) >= 6 else bn, "down_warps": down_warps, "down_stages": down_stages}
-    avg = tokens * top_k / max(num_experts, 1)
+    avg = rows_per_expert(tokens, top_k, num_experts)
     if float32:  # 4-byte tiles: halve K and the pipeline depth to fit the 227 KB of shared memory
         bm = 16 if avg <= 16 else 32 if avg <= 48 else 64 if avg <= 192 else 128
         warps = 4 if bm <= 64 else 8

@@ -687,7 +687,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
     ieee = x.dtype == torch.float32 and not interp  # float32 in, float32 math (Triton's default is TF32)
     upcast = interp and not fp8  # the interpreter's bf16 tl.dot is wrong; its fp8 dot is right
     halves = moe_plan.half_blocks_fit(bm, x.dtype == torch.bfloat16 and not fp8,
-                                      t * routed_k / max(num_experts, 1))
+                                      moe_plan.rows_per_expert(t, routed_k, num_experts))
     if group_m < 0 and not cfg.get("EXPERT_GROUPS"):
         raise ValueError("grouped_gated_mlp: GROUP_M -1 (groups by expert) needs EXPERT_GROUPS, the largest group")
     gluon = fp8 and moe_plan.gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared)

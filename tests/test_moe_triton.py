@@ -894,7 +894,8 @@ def test_half_blocks_auto_rule_at_m3_sizes():
     """The auto rule at M3's routing (top 4 of 128 experts): on at 4096 tokens (128 rows per expert,
     BLOCK_M 128), off at 8192 (256 rows), never in FP8 or below BLOCK_M 128; on / off override it,
     and no copy below halves of 16 rows."""
-    rows = lambda tokens: tokens * 4 / 128
+    rows = lambda tokens: plan.rows_per_expert(tokens, 4, 128)
+    assert rows(4096) == 128
     assert plan.half_blocks_fit(128, True, rows(4096)) and plan.half_blocks_fit(128, True, rows(1024))
     assert not plan.half_blocks_fit(128, True, rows(8192))
     assert not plan.half_blocks_fit(128, False, rows(4096))  # FP8 / float32
