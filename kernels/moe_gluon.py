@@ -27,15 +27,17 @@ tokens, burst and back to back at the card's power limit (docs/kernel-notes.md#m
 gate_up_act_trio runs the same math over 192-row blocks: three consumer warp groups of 64 rows
 each take the same stacked weight tile (the gate rows of 64 columns of h over their up rows) and
 cover 128 columns of h in two passes, the first pass's h parked in shared memory until the 1 x 128
-quantization (gate and up columns are split in registers, and the FP8 tile of h leaves by TMA). A third group keeps the tensor cores busy while the others scale their products,
-and a weight tile serves 192 rows instead of 64: the layer is 2-6% faster at 8192-16384 tokens,
-and the default there (kernel option moe_gemm=auto; moe_plan.TRIO_MIN_ROWS_PER_EXPERT).
+quantization (gate and up columns split in registers, the FP8 tile of h out by TMA). A third group
+keeps the tensor cores busy while the others scale their products, and a weight tile serves 192
+rows instead of 64: the layer is 2-6% faster at 8192-16384 tokens, and the default there (kernel
+option moe_gemm=auto; moe_plan.TRIO_MIN_ROWS_PER_EXPERT).
 down_trio is the down GEMM over the same blocks, warp-specialized the same way (three groups of
 64 rows on one [128, 128] weight tile per K step), with the Triton down kernel's epilogue (bf16,
 times the routing weight, bf16): 12% faster than the Triton kernel at 8192 tokens, even at 16384
 (kernel option moe_down=auto follows the 192-row gate/up). Each down program covers three
 128-column tiles one after the other (DOWN_TRIO_COL_TILES), the producer loading the next tile's
-stages while the consumers store the last: another 17-20% off the down kernel at 8192-16384 tokens.
+stages while the consumers store the last: another 17-20% off the down kernel at 8192-16384 tokens;
+each tile of y leaves by TMA while the next one's products run (3-11% off the down on an H100).
 
 The BF16 layer takes the same 192-row blocks (its rows put in the sorted order by
 moe_quant_scatter.scatter_rows): the gate/up (_gate_up_trio_bf16_kernel) and the down
@@ -470,13 +472,14 @@ if HAVE_GLUON:
                 _tma_load(w_desc, [off_n + 128 * j, ki * BK], ready.index(s), b_smem.index(s))
 
     @gluon.jit
-    def _down_trio_consumer(a_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m, off_n,
-                            n_steps, live, N_OUT: gl.constexpr, K: gl.constexpr, STAGES: gl.constexpr,
-                            COL_TILES: gl.constexpr, FP8: gl.constexpr):
+    def _down_trio_consumer(a_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_desc, y_smem, off_m,
+                            off_n, n_steps, live, K: gl.constexpr, STAGES: gl.constexpr, COL_TILES: gl.constexpr,
+                            FP8: gl.constexpr):
         """One warp group's [64, 128] tiles of y, one per column tile: in FP8 the products scaled per K
         step as the Triton down kernel does, in BF16 summed on the tensor cores; rounded to bf16, times
-        the pair's routing weight, rounded again; padding rows are not stored. A group whose rows are
-        all padding only releases the stages."""
+        the pair's routing weight (0 on padding rows, which nothing reads), rounded again, and stored
+        from y_smem by TMA while the next tile's products run. A group whose rows are all padding only
+        releases the stages."""
         if FP8:
             layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, 128, 32])
@@ -496,9 +499,13 @@ if HAVE_GLUON:
                 else:
                     acc = _bf16_product(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout)
                 y = acc.to(gl.bfloat16).to(gl.float32) * wt[:, None]
-                cols = col0 + gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
-                mask = valid[:, None] & (cols < N_OUT)[None, :]
-                gl.store(y_ptr + rows.to(gl.int64)[:, None] * N_OUT + cols[None, :], y.to(gl.bfloat16), mask=mask)
+                tma.store_wait(0)  # the last tile has left y_smem
+                _group_barrier()
+                y_smem.store(y.to(gl.bfloat16))
+                fence_async_shared()
+                _group_barrier()  # the whole group's rows are in y_smem
+                _tma_store(y_desc, [off_m, col0], y_smem)
+            tma.store_wait(0)
         else:
             _release_stages(ready, empty, COL_TILES * n_steps, STAGES)
 
@@ -527,15 +534,22 @@ if HAVE_GLUON:
         w_desc = tma.make_tensor_descriptor(w, shape=[N_OUT, K], strides=[K, 1], block_shape=[128, BK],
                                             layout=smem_layout)
         a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, DTYPE, BK)
+        # each group's bf16 [64, 128] tile of y on its way out by TMA
+        y_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        y_desc = tma.make_tensor_descriptor(y_ptr, shape=[rows_total, N_OUT], strides=[N_OUT, 1], block_shape=[64, 128],
+                                            layout=y_layout)
+        y0 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], y_layout)
+        y1 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], y_layout)
+        y2 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], y_layout)
         ready, empty = _trio_barriers(STAGES)
         off_n = pid_n * 128 * COL_TILES
         gl.warp_specialize([
-            (_down_trio_consumer, (a0_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m, off_n,
-                                   n_steps, active, N_OUT, K, STAGES, COL_TILES, FP8)),
-            (_down_trio_consumer, (a1_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m + 64,
-                                   off_n, n_steps, second, N_OUT, K, STAGES, COL_TILES, FP8)),
-            (_down_trio_consumer, (a2_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_ptr, off_m + 128,
-                                   off_n, n_steps, third, N_OUT, K, STAGES, COL_TILES, FP8)),
+            (_down_trio_consumer, (a0_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_desc, y0, off_m,
+                                   off_n, n_steps, active, K, STAGES, COL_TILES, FP8)),
+            (_down_trio_consumer, (a1_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_desc, y1,
+                                   off_m + 64, off_n, n_steps, second, K, STAGES, COL_TILES, FP8)),
+            (_down_trio_consumer, (a2_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_desc, y2,
+                                   off_m + 128, off_n, n_steps, third, K, STAGES, COL_TILES, FP8)),
             (_down_trio_producer, (h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n,
                                    n_steps, second, third, STAGES, COL_TILES, BK, LIVE_ROWS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
@@ -698,7 +712,8 @@ def _live_rows_only() -> bool:
     return kernel_options().moe_trio_rows == "live"
 
 
-# The down GEMM over the 192-row blocks (down_trio): no epilogue buffers, so 4 stages of 40 KB.
+# The down GEMM over the 192-row blocks (down_trio): 4 stages of 40 KB and each group's outgoing
+# [64, 128] bf16 tile of y (208 KB; docs/kernel-notes.md#the-downs-output-by-tma).
 DOWN_TRIO_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 168, "PRODUCER_REGS": 24}
 # Column tiles of 128 per down program, one after the other through the same stage ring: K is
 # only 24 steps at M3's width, so a program of one tile spent a large part of its time filling
@@ -711,7 +726,8 @@ def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table
               n_out: int, group_m: int) -> torch.Tensor:
     """y [rows, n_out] bf16 = h @ w2.T of each row's expert, times its pair's routing weight
     (topk_w, float32, by pair), over the 192-row blocks gate_up_act_trio wrote h in (block_expert,
-    its groups, sorted_pair as there); the rows of padding are left unwritten. FP8: the same products,
+    its groups, sorted_pair as there); the rows of padding are not meaningful (the combine never
+    reads them). FP8: the same products,
     scaling and rounding as the Triton down kernel, bit for bit. BF16 h (and weights): hs unread."""
     rows, k = h.shape
     if h.dtype not in (torch.float8_e4m3fn, torch.bfloat16):
