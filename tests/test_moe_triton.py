@@ -837,9 +837,28 @@ def test_triton_alignment_refuses_too_many_pairs(interp):
         align_by_expert_triton(torch.zeros(MAX_PAIRS + 1, 1, dtype=torch.int64), 0, 8, 16)
 
 
+@pytest.fixture
+def row_by_row_dot(monkeypatch):
+    """The interpreter's tl.dot is numpy's matmul, and since numpy 2.4 (its BLAS) the bits of a row
+    depend on how many rows are multiplied with it: rows 0-31 of a [64, K] product differ from a
+    [32, K] product in the last bit. On the GPU a row's product does not depend on its neighbours.
+    Multiplying row by row makes the interpreter behave so, and a test of which rows the kernels
+    multiply sees the kernels, not numpy."""
+    import numpy as np
+
+    matmul = np.matmul
+
+    def by_row(a, b, *args, **kwargs):
+        if np.ndim(a) < 2:
+            return matmul(a, b, *args, **kwargs)
+        return np.concatenate([matmul(a[..., i:i + 1, :], b, *args, **kwargs) for i in range(a.shape[-2])], axis=-2)
+
+    monkeypatch.setattr(np, "matmul", by_row)
+
+
 @pytest.mark.parametrize("bm", [32, 64])
 @pytest.mark.parametrize("case", ["m3_f32", "m3_bf16", "m3_fp8"])
-def test_half_blocks_compute_the_same_bits(interp, monkeypatch, case, bm):
+def test_half_blocks_compute_the_same_bits(interp, monkeypatch, row_by_row_dot, case, bm):
     """moe_half_blocks=on: a block whose second half is padding multiplies only its first half, in
     both kernels; every row the same bits as the whole block's. Runs of 37 rows (a last block of 5),
     20 (past the half at BLOCK_M 32) and ~6 (a first half only), some experts idle."""
