@@ -370,6 +370,15 @@ if HAVE_GLUON:
         return gl.reshape(gl.permute(gl.join(a, b), (0, 2, 1)), [64, 128])
 
     @gluon.jit
+    def _tile_out_by_tma(desc, off_m, off_n, smem, tile):
+        """A warp group's tile into its smem tile and out by one TMA store at (off_m, off_n); the caller
+        waits for the store before it writes smem again."""
+        smem.store(tile)
+        fence_async_shared()
+        _group_barrier()  # the whole group's rows are in smem
+        _tma_store(desc, [off_m, off_n], smem)
+
+    @gluon.jit
     def _trio_act_in_registers(acc, alpha, limit, beta, ACT: gl.constexpr, half: gl.constexpr):
         """h of one half: the gate and up columns rounded to bf16 (as the eager MLP does), SwiGLU-OAI /
         SiLU; float32 [64, 64] in `half`, the wgmma layout of a 64-column tile, which is what the split
@@ -402,10 +411,8 @@ if HAVE_GLUON:
             scale, inv = _pow2_scale(gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1)))
             q0 = gl.minimum(gl.maximum(h0 * inv[:, None], -448.0), 448.0)
             q1 = gl.minimum(gl.maximum(h1 * inv[:, None], -448.0), 448.0)
-            out_smem.store(_halves_joined(q0.to(gl.float8e4nv), q1.to(gl.float8e4nv)))
-            fence_async_shared()
-            _group_barrier()  # the whole group's rows are in out_smem
-            _tma_store(out_desc, [off_m, off_n], out_smem)
+            q = _halves_joined(q0.to(gl.float8e4nv), q1.to(gl.float8e4nv))
+            _tile_out_by_tma(out_desc, off_m, off_n, out_smem, q)
             # the scales after the tile's store is issued: before it, Triton 3.9 spilled registers
             gl.store(hs_ptr + (off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, half))).to(gl.int64) * (N // 128)
                      + pid_n, scale)
@@ -501,10 +508,7 @@ if HAVE_GLUON:
                 y = acc.to(gl.bfloat16).to(gl.float32) * wt[:, None]
                 tma.store_wait(0)  # the last tile has left y_smem
                 _group_barrier()
-                y_smem.store(y.to(gl.bfloat16))
-                fence_async_shared()
-                _group_barrier()  # the whole group's rows are in y_smem
-                _tma_store(y_desc, [off_m, col0], y_smem)
+                _tile_out_by_tma(y_desc, off_m, col0, y_smem, y.to(gl.bfloat16))
             tma.store_wait(0)
         else:
             _release_stages(ready, empty, COL_TILES * n_steps, STAGES)
@@ -726,9 +730,9 @@ def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table
               n_out: int, group_m: int) -> torch.Tensor:
     """y [rows, n_out] bf16 = h @ w2.T of each row's expert, times its pair's routing weight
     (topk_w, float32, by pair), over the 192-row blocks gate_up_act_trio wrote h in (block_expert,
-    its groups, sorted_pair as there); the rows of padding are not meaningful (the combine never
-    reads them). FP8: the same products,
-    scaling and rounding as the Triton down kernel, bit for bit. BF16 h (and weights): hs unread."""
+    its groups, sorted_pair as there); the rows of padding hold no meaningful value (the combine never
+    reads them). FP8: the same products, scaling and rounding as the Triton down kernel, bit for bit.
+    BF16 h (and weights): hs unread."""
     rows, k = h.shape
     if h.dtype not in (torch.float8_e4m3fn, torch.bfloat16):
         raise ValueError(f"moe_gluon.down_trio: h in {h.dtype}; FP8 (e4m3) or bf16 needed")
