@@ -75,7 +75,7 @@ from .interpreter import triton_interpreting as _interpreting
 from .launch_overlap import overlap_launches, pdl_launch
 from .moe import mega_moe, moe
 from .moe_align_triton import align_with_triton
-from .moe_expert_groups import expert_group_table
+from .moe_expert_groups import with_expert_groups
 from .moe_parallel import mega_moe_reference
 from .moe_probe import notify as notify_router_inputs
 from .moe_probe import watching as watching_router_inputs
@@ -800,8 +800,7 @@ def _with_groups(block_expert: torch.Tensor, num_m: int, group_m: int, cap: int)
     after the blocks' experts, where _tile_of finds it."""
     if group_m >= 0:
         return block_expert
-    groups = expert_group_table(block_expert, num_m, cap).to(block_expert.dtype)
-    return torch.cat([block_expert[:num_m], groups.reshape(-1)])
+    return with_expert_groups(block_expert, num_m, cap)
 
 
 def _parts(al: Alignment, num_m: int, parts: int, idle: int, groups: Optional[torch.Tensor]) -> torch.Tensor:

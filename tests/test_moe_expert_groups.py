@@ -8,7 +8,9 @@ import random
 import pytest
 import torch
 
-from minimax_backend.kernels.moe_expert_groups import expert_group_table
+from interpreted import INTERPRETING, in_child, run_this_file_interpreted
+from minimax_backend.kernels import moe_expert_groups as G
+from minimax_backend.kernels.moe_expert_groups import expert_group_table, with_expert_groups
 
 
 def _groups(experts: list[int], cap: int) -> list[tuple[int, int]]:
@@ -56,3 +58,67 @@ def test_bad_arguments_are_named():
         expert_group_table(torch.zeros(4, dtype=torch.int32), 4, 0)
     with pytest.raises(ValueError, match="5 blocks"):
         expert_group_table(torch.zeros(4, dtype=torch.int32), 5, 2)
+
+
+def _random_runs(rng: random.Random, n: int) -> list[int]:
+    experts: list[int] = []
+    while len(experts) < n + 3:  # the table may be longer than the blocks asked for
+        experts += [rng.randint(0, 9)] * rng.randint(1, 9)
+    return experts
+
+
+def _torch_form(experts: torch.Tensor, n: int, cap: int) -> torch.Tensor:
+    return torch.cat([experts[:n], expert_group_table(experts, n, cap).reshape(-1)])
+
+
+def test_with_expert_groups_is_the_experts_then_the_table():
+    """Off the GPU and the interpreter: the torch ops, laid out as the kernels read them."""
+    rng = random.Random(1)
+    for _ in range(50):
+        n, cap = rng.randint(1, 40), rng.randint(1, 9)
+        experts = torch.tensor(_random_runs(rng, n), dtype=torch.int32)
+        got = with_expert_groups(experts, n, cap)
+        assert got.dtype == torch.int32 and torch.equal(got, _torch_form(experts, n, cap))
+    with pytest.raises(ValueError, match="cap"):
+        with_expert_groups(torch.zeros(4, dtype=torch.int32), 4, 0)
+    with pytest.raises(ValueError, match="5 blocks"):
+        with_expert_groups(torch.zeros(4, dtype=torch.int32), 5, 2)
+
+
+@in_child
+def test_the_triton_program_equals_the_torch_ops():
+    """The one-program kernel against the torch ops: runs crossing the power-of-two width's end, one
+    run over every block, every block its own run, caps 1 to past the longest run; 1 to 600 blocks,
+    as M3's layouts have at prefill sizes (idle blocks: a last run of the sentinel)."""
+    rng = random.Random(2)
+    launched = []
+    real = G._groups_kernel
+    G._groups_kernel = type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid) or real[grid]})()
+    try:
+        cases = [(_random_runs(rng, n), n, cap) for n in (1, 2, 3, 63, 64, 65, 127, 255, 333, 600)
+                 for cap in (1, 3, 8, 1000)]
+        cases += [([4] * 70, 70, 8), (list(range(70)), 70, 8), ([0] * 5 + [1] * 64 + [129] * 30, 99, 8)]
+        for experts, n, cap in cases:
+            table = torch.tensor(experts, dtype=torch.int32)
+            assert torch.equal(with_expert_groups(table, n, cap), _torch_form(table, n, cap)), (n, cap)
+    finally:
+        G._groups_kernel = real
+    assert len(launched) == len(cases)
+
+
+@pytest.mark.skipif(INTERPRETING, reason="this is the child")
+def test_in_interpreter_child():
+    pytest.importorskip("triton")
+    run_this_file_interpreted(__file__)
+
+
+@pytest.mark.gpu
+def test_gpu_triton_program_equals_the_torch_ops():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    rng = random.Random(3)
+    for n in (1, 129, 151, 560, 1409, 5000):
+        experts = torch.tensor(sorted(_random_runs(rng, n)), dtype=torch.int32)
+        for cap in (1, 4, 8):
+            got = with_expert_groups(experts.cuda(), n, cap).cpu()
+            assert torch.equal(got, _torch_form(experts, n, cap)), (n, cap)

@@ -493,6 +493,13 @@ def test_moe_route_and_alignment_kernels_compile(moe):
                  dict(PAIRS=320, P2=512, N_LOCAL=129, ROUTED=128, NB=256, BM=16, MAX_ROWS=2256, MAX_BLOCKS=141,
                       B2=256, FILL=1024), ["ids_ptr", "sorted_pair_ptr", "block_expert_ptr", "pair_row_ptr"],
                  num_warps=8)
+    # the program order's groups by expert, one program: an 8k prefill's 342 blocks of 192 rows and the
+    # largest table one program takes
+    from minimax_backend.kernels import moe_expert_groups as eg
+
+    for width in (512, eg.MAX_BLOCKS_ONE_PROGRAM):
+        compile_sm90(eg._groups_kernel, {"be_ptr": "*i32", "out_ptr": "*i32", "num_blocks": "i32", "cap": "i32"},
+                     dict(B2=width), ["be_ptr", "out_ptr"], num_warps=4 if width <= 2048 else 8)
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
