@@ -13,11 +13,10 @@ GROUP_M = -1): for block b, the first block of its group and the group's size. P
 group are [first * n_tiles, (first + size) * n_tiles), so pid // n_tiles is a block of the
 group and its table entry names the group. Built here with a few fixed-size torch ops (no
 host sync, CUDA-graph safe), or by one Triton program (with_expert_groups, what the GEMMs read:
-the experts and the table in one tensor) where those ~18 small launches cost ~30 us a layer at
-prefill sizes. tile_config's table uses it for FP8 at prefill sizes (at most 8
-blocks a group: 1-4% faster than groups of 4 back to back on the H200, 2026-12-03:
-docs/kernel-notes.md#moe-at-the-power-limit); the kernel option moe_expert_groups sets the cap
-anywhere.
+the experts and the table in one tensor): 30-40 us less per layer call than the ~18 small
+launches. tile_config's table uses it at prefill sizes (at most 8 blocks a group: 1-4% faster
+than groups of 4 back to back on the H200, 2026-12-03); the kernel option moe_expert_groups sets
+the cap anywhere. Both measured: docs/kernel-notes.md#moe-at-the-power-limit.
 """
 
 from __future__ import annotations
