@@ -63,8 +63,8 @@ def expert_group_table(block_expert: torch.Tensor, num_blocks: int, cap: int) ->
 
 def with_expert_groups(block_expert: torch.Tensor, num_blocks: int, cap: int) -> torch.Tensor:
     """[3 * num_blocks] int32 as the kernels read it (_tile_of, GROUP_M -1): the first num_blocks
-    entries of block_expert, then expert_group_table's rows flattened. One Triton launch on the GPU (or in the
-    interpreter), the torch ops elsewhere; the same values."""
+    entries of block_expert, then expert_group_table's rows flattened. One Triton launch on the GPU
+    (or in the interpreter), the torch ops elsewhere; the same values."""
     if cap < 1:
         raise ValueError(f"with_expert_groups: cap must be >= 1, got {cap}")
     if num_blocks < 1 or block_expert.numel() < num_blocks:

@@ -85,25 +85,32 @@ def test_with_expert_groups_is_the_experts_then_the_table():
         with_expert_groups(torch.zeros(4, dtype=torch.int32), 5, 2)
 
 
+class _CountedLaunches:
+    """Stands in for a Triton kernel: counts its launches and forwards them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
 @in_child
-def test_the_triton_program_equals_the_torch_ops():
+def test_the_triton_program_equals_the_torch_ops(monkeypatch):
     """The one-program kernel against the torch ops: runs crossing the power-of-two width's end, one
     run over every block, every block its own run, caps 1 to past the longest run; 1 to 600 blocks,
     as M3's layouts have at prefill sizes (idle blocks: a last run of the sentinel)."""
     rng = random.Random(2)
-    launched = []
-    real = G._groups_kernel
-    G._groups_kernel = type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid) or real[grid]})()
-    try:
-        cases = [(_random_runs(rng, n), n, cap) for n in (1, 2, 3, 63, 64, 65, 127, 255, 333, 600)
-                 for cap in (1, 3, 8, 1000)]
-        cases += [([4] * 70, 70, 8), (list(range(70)), 70, 8), ([0] * 5 + [1] * 64 + [129] * 30, 99, 8)]
-        for experts, n, cap in cases:
-            table = torch.tensor(experts, dtype=torch.int32)
-            assert torch.equal(with_expert_groups(table, n, cap), _torch_form(table, n, cap)), (n, cap)
-    finally:
-        G._groups_kernel = real
-    assert len(launched) == len(cases)
+    counted = _CountedLaunches(G._groups_kernel)
+    monkeypatch.setattr(G, "_groups_kernel", counted)
+    cases = [(_random_runs(rng, n), n, cap) for n in (1, 2, 3, 63, 64, 65, 127, 255, 333, 600)
+             for cap in (1, 3, 8, 1000)]
+    cases += [([4] * 70, 70, 8), (list(range(70)), 70, 8), ([0] * 5 + [1] * 64 + [129] * 30, 99, 8)]
+    for experts, n, cap in cases:
+        table = torch.tensor(experts, dtype=torch.int32)
+        assert torch.equal(with_expert_groups(table, n, cap), _torch_form(table, n, cap)), (n, cap)
+    assert len(counted.grids) == len(cases)  # every case ran the kernel, none the torch ops
 
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the child")
