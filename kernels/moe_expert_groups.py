@@ -40,13 +40,22 @@ __all__ = ["expert_group_table", "with_expert_groups"]
 MAX_BLOCKS_ONE_PROGRAM = 8192
 
 
+def _check_arguments(who: str, block_expert: torch.Tensor, num_blocks: int, cap: int) -> None:
+    if cap < 1:
+        raise ValueError(f"{who}: cap must be >= 1, got {cap}")
+    if num_blocks < 1 or block_expert.numel() < num_blocks:
+        raise ValueError(f"{who}: {num_blocks} blocks asked of a table of {block_expert.numel()}")
+
+
+def groups_kernel_warps(width: int) -> int:
+    """Warps of _groups_kernel's one program over `width` (a power of two) blocks."""
+    return 4 if width <= 2048 else 8
+
+
 def expert_group_table(block_expert: torch.Tensor, num_blocks: int, cap: int) -> torch.Tensor:
     """[num_blocks, 2] int32: each block's group's first block and size, where a group is a run
     of consecutive blocks of one expert (block_expert[:num_blocks]), cut every `cap` blocks."""
-    if cap < 1:
-        raise ValueError(f"expert_group_table: cap must be >= 1, got {cap}")
-    if num_blocks < 1 or block_expert.numel() < num_blocks:
-        raise ValueError(f"expert_group_table: {num_blocks} blocks asked of a table of {block_expert.numel()}")
+    _check_arguments("expert_group_table", block_expert, num_blocks, cap)
     be = block_expert[:num_blocks]
     idx = torch.arange(num_blocks, device=be.device)
     starts = torch.ones(num_blocks, dtype=torch.bool, device=be.device)
@@ -65,15 +74,12 @@ def with_expert_groups(block_expert: torch.Tensor, num_blocks: int, cap: int) ->
     """[3 * num_blocks] int32 as the kernels read it (_tile_of, GROUP_M -1): the first num_blocks
     entries of block_expert, then expert_group_table's rows flattened. One Triton launch on the GPU
     (or in the interpreter), the torch ops elsewhere; the same values."""
-    if cap < 1:
-        raise ValueError(f"with_expert_groups: cap must be >= 1, got {cap}")
-    if num_blocks < 1 or block_expert.numel() < num_blocks:
-        raise ValueError(f"with_expert_groups: {num_blocks} blocks asked of a table of {block_expert.numel()}")
+    _check_arguments("with_expert_groups", block_expert, num_blocks, cap)
     if (HAVE_TRITON and (block_expert.is_cuda or triton_interpreting()) and num_blocks <= MAX_BLOCKS_ONE_PROGRAM
             and block_expert.dtype == torch.int32 and block_expert.is_contiguous()):
         out = torch.empty(3 * num_blocks, dtype=torch.int32, device=block_expert.device)
         width = triton.next_power_of_2(num_blocks)
-        _groups_kernel[(1,)](block_expert, out, num_blocks, cap, B2=width, num_warps=4 if width <= 2048 else 8)
+        _groups_kernel[(1,)](block_expert, out, num_blocks, cap, B2=width, num_warps=groups_kernel_warps(width))
         return out
     groups = expert_group_table(block_expert, num_blocks, cap).to(block_expert.dtype)
     return torch.cat([block_expert[:num_blocks], groups.reshape(-1)])

@@ -499,7 +499,7 @@ def test_moe_route_and_alignment_kernels_compile(moe):
 
     for width in (512, eg.MAX_BLOCKS_ONE_PROGRAM):
         compile_sm90(eg._groups_kernel, {"be_ptr": "*i32", "out_ptr": "*i32", "num_blocks": "i32", "cap": "i32"},
-                     dict(B2=width), ["be_ptr", "out_ptr"], num_warps=4 if width <= 2048 else 8)
+                     dict(B2=width), ["be_ptr", "out_ptr"], num_warps=eg.groups_kernel_warps(width))
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
