@@ -656,3 +656,25 @@ def test_msa_attention_kernel_compiles_for_m3(tok, split):
     compile_sm90(mt._merge_kernel, {"part_ptr": "*fp32", "lse_ptr": "*fp32", "o_ptr": "*bf16", "stride_ot": "i32",
                                     "stride_oh": "i32"}, dict(HQ=64, SPLIT=8, D=128), ["part_ptr", "o_ptr"],
                  num_warps=4)
+
+
+GLUON_WEIGHT_STREAM_SIG = {"w_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv", "rows_w": "i32", "rows_a": "i32",
+                           "n_slabs": "i32", "row_sets": "i32"}
+
+
+@pytest.mark.parametrize("stages, a_tiles", [(2, 0), (4, 3), (8, 0)])
+def test_weight_stream_ring_compiles_to_tma_loads_in_the_shared_memory_it_counts(stages, a_tiles, tmp_path):
+    """kernels/moe_weight_stream.py (tools/bench_weight_stream.py's ring): TMA loads by a producer
+    warp, its registers set with setmaxnreg, no spills, and the shared memory ring_shared_bytes
+    counts (which check_ring holds against the SM's) plus at most 1 KB of barriers."""
+    from minimax_backend.kernels import moe_weight_stream as ws
+
+    if not ws.HAVE_GLUON:
+        pytest.skip(f"triton {triton.__version__} has no Gluon")
+    kernel = compiled_gluon_sm90(ws._stream_kernel, GLUON_WEIGHT_STREAM_SIG,
+                                 dict(K=6144, STAGES=stages, A_TILES=a_tiles, A_BUFFERS=max(stages * a_tiles, 1),
+                                      SLABS_PER_ROWS=24, num_warps=4), 4)
+    ptx = kernel.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
+    assert 0 <= kernel.metadata.shared - ws.ring_shared_bytes(stages, a_tiles) <= 1024
+    assert local_memory_bytes(kernel, tmp_path) == 0
