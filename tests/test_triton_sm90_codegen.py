@@ -672,8 +672,7 @@ def test_weight_stream_ring_compiles_to_tma_loads_in_the_shared_memory_it_counts
     if not ws.HAVE_GLUON:
         pytest.skip(f"triton {triton.__version__} has no Gluon")
     kernel = compiled_gluon_sm90(ws._stream_kernel, GLUON_WEIGHT_STREAM_SIG,
-                                 dict(K=6144, STAGES=stages, A_TILES=a_tiles, A_BUFFERS=max(stages * a_tiles, 1),
-                                      SLABS_PER_ROWS=24, num_warps=4), 4)
+                                 dict(K=6144, STAGES=stages, A_TILES=a_tiles, SLABS_PER_ROWS=24, num_warps=4), 4)
     ptx = kernel.asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
     assert 0 <= kernel.metadata.shared - ws.ring_shared_bytes(stages, a_tiles) <= 1024
