@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import torch
 
+from . import gluon_trace as trace
 from .options import kernel_options
 
 try:  # Gluon ships with triton >= 3.5; CPU installs and older triton use the Triton kernels
@@ -321,25 +322,38 @@ if HAVE_GLUON:
     @gluon.jit
     def _trio_producer(a_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
                        second, third, N: gl.constexpr, STAGES: gl.constexpr, BK: gl.constexpr,
-                       LIVE_ROWS: gl.constexpr):
+                       LIVE_ROWS: gl.constexpr, TRACE: gl.constexpr = False, rec=None):
         """The producer warp, for each half of the program's 128 columns of h and each K step: the
         three 64-row activation tiles and one [128, BK] weight tile, the 64 gate rows of those
-        columns over their 64 up rows (two TMA loads into its halves)."""
+        columns over their 64 up rows (two TMA loads into its halves). TRACE: how long it waited for
+        free stages, into the program's record rec (kernels/gluon_trace.py)."""
         weight_bytes: gl.constexpr = 2 * w_desc.block_type.nbytes
+        if TRACE:
+            gl.store(rec + trace.PRODUCER_ENTRY_CYCLE, trace.clock())
+            waited = trace.clock32() * 0
         for j in gl.static_range(2):
             for ki in range(n_steps):
-                s = _trio_rows_into_stage(a_desc, a0_smem, a1_smem, a2_smem, ready, empty, j * n_steps + ki, off_m,
+                it = j * n_steps + ki
+                if TRACE:  # the wait below, timed; the one inside _trio_rows_into_stage then passes at once
+                    c0 = trace.clock32()
+                    mbarrier.wait(empty.index(it % STAGES), ((it // STAGES) & 1) ^ 1)
+                    waited += trace.clock32() - c0
+                s = _trio_rows_into_stage(a_desc, a0_smem, a1_smem, a2_smem, ready, empty, it, off_m,
                                           ki * BK, second, third, weight_bytes, LIVE_ROWS, STAGES)
                 bar = ready.index(s)
                 b = b_smem.index(s)
                 _tma_load(w_desc, [off_n + 64 * j, ki * BK], bar, b.slice(0, 64))
                 _tma_load(w_desc, [N + off_n + 64 * j, ki * BK], bar, b.slice(64, 64))
+        if TRACE:
+            gl.store(rec + trace.LAST_ISSUE_CYCLE, trace.clock())
+            gl.store(rec + trace.EMPTY_WAIT, waited.to(gl.int64))
 
     @gluon.jit
     def _trio_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, j, STAGES: gl.constexpr,
-                   layout: gl.constexpr):
+                   layout: gl.constexpr, TRACE: gl.constexpr = False, waited=0):
         """One 64-column half: [64, 128] = the gate (columns 0-63) and up (64-127) products of this
-        group's rows, each K step scaled by the row's activation scale times the column's weight scale."""
+        group's rows, each K step scaled by the row's activation scale times the column's weight scale.
+        TRACE: also the cycles it waited for loaded stages, added to `waited` (returned beside the tile)."""
         gate_cols = (gl.arange(0, 128, layout=gl.SliceLayout(0, layout)) < 64)[None, :]
         acc = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
         p = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
@@ -349,12 +363,17 @@ if HAVE_GLUON:
             sa = gl.load(a_scales + ki)
             s_gate = (sa * gl.load(sg_ptr + ki))[:, None]
             s_up = (sa * gl.load(su_ptr + ki))[:, None]
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            if TRACE:
+                c0 = trace.clock32()
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                waited += trace.clock32() - c0
+            else:
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             p = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
             p = warpgroup_mma_wait(0, deps=(p, ))
             mbarrier.arrive(empty.index(s), count=1)
             acc += p * gl.where(gate_cols, s_gate, s_up)
-        return acc
+        return acc, waited
 
     @gluon.jit
     def _gate_up_split(t):
@@ -389,11 +408,13 @@ if HAVE_GLUON:
     @gluon.jit
     def _trio_consumer(a_smem, b_smem, ready, empty, xs_ptr, ws, out_desc, hs_ptr, park_smem, out_smem, off_m, off_n,
                        pid_n, n_steps, live, N: gl.constexpr, K: gl.constexpr, alpha, limit, beta,
-                       ACT: gl.constexpr, STAGES: gl.constexpr):
+                       ACT: gl.constexpr, STAGES: gl.constexpr, TRACE: gl.constexpr = False, rec=None,
+                       GROUP: gl.constexpr = 0):
         """One warp group's 64 rows of the program's [192, 128] tile of h, in two halves of 64 columns
         (the first half's h parked in shared memory as bf16, which it is), then the 1 x 128 quantization
         over both, the FP8 tile stored from out_smem by TMA (out_desc: h). A group whose rows are all
-        padding only releases the stages."""
+        padding only releases the stages. TRACE: its waits for loaded stages into the program's record
+        rec, and group 0 (GROUP) the program's edges."""
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
         half: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
         if live:
@@ -401,10 +422,22 @@ if HAVE_GLUON:
             a_scales = xs_ptr + rows.to(gl.int64) * (K // 128)
             sg_ptr = ws + (off_n // 128) * (K // 128)
             su_ptr = ws + ((N + off_n) // 128) * (K // 128)
-            acc = _trio_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, 0, STAGES, layout)
+            waited = 0
+            if TRACE:  # the first stage's wait, timed alone: when the ring's first loads landed
+                mbarrier.wait(ready.index(0), 0)
+                if GROUP == 0:
+                    gl.store(rec + trace.FIRST_READY_CYCLE, trace.clock())
+                waited = trace.clock32() * 0
+            acc, waited = _trio_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, 0, STAGES, layout,
+                                     TRACE, waited)
             h0 = _trio_act_in_registers(acc, alpha, limit, beta, ACT, half)
             park_smem.store(h0.to(gl.bfloat16))
-            acc = _trio_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, 1, STAGES, layout)
+            acc, waited = _trio_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, 1, STAGES, layout,
+                                     TRACE, waited)
+            if TRACE:
+                if GROUP == 0:
+                    gl.store(rec + trace.LAST_PRODUCT_CYCLE, trace.clock())
+                gl.store(rec + trace.READY_WAIT_0 + GROUP, waited.to(gl.int64))
             h1 = _trio_act_in_registers(acc, alpha, limit, beta, ACT, half)
             h0 = park_smem.load(half).to(gl.float32)
             # 1 x 128 quantization over both halves
@@ -419,19 +452,36 @@ if HAVE_GLUON:
             tma.store_wait(0)
         else:
             _release_stages(ready, empty, 2 * n_steps, STAGES)
+        if TRACE:
+            if GROUP == 0:
+                gl.store(rec + trace.END_CYCLE, trace.clock())
+                gl.store(rec + trace.END_NS, trace.global_ns())
 
     @gluon.jit
-    def _gate_up_trio_kernel(x_ptr, xs_ptr, w_table, ws_table, block_expert, sorted_pair, h_ptr, hs_ptr,
+    def _gate_up_trio_kernel(x_ptr, xs_ptr, w_table, ws_table, block_expert, sorted_pair, h_ptr, hs_ptr, trace_ptr,
                               rows_total, n_local, num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr,
                               K: gl.constexpr, ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                              LIVE_ROWS: gl.constexpr = False):
+                              LIVE_ROWS: gl.constexpr = False, TRACE: gl.constexpr = False):
         """gate_up + act of one [192, 128] tile of h: warp groups 0, 1, 2 rows 0-63, 64-127, 128-191,
-        all from the same [128, 128] weight tiles (gate over up, 64 columns of h at a time)."""
+        all from the same [128, 128] weight tiles (gate over up, 64 columns of h at a time). TRACE: each
+        program's record of where its time went into trace_ptr (kernels/gluon_trace.py; unread
+        otherwise)."""
         BK: gl.constexpr = 128
+        if TRACE:
+            entry_ns = trace.global_ns()
+            entry_cycle = trace.clock()
         pid_n, off_m, n_steps, active, second, third, w, ws = _trio_block(
             block_expert, sorted_pair, w_table, ws_table, n_local, num_m_blocks, num_n_tiles, K, GROUP_M, BK,
             gl.float8e4nv)
+        rec = trace_ptr
+        if TRACE:
+            rec = trace_ptr + gl.program_id(0).to(gl.int64) * trace.RECORD
+            gl.store(rec + trace.ENTRY_NS, entry_ns)
+            gl.store(rec + trace.ENTRY_CYCLE, entry_cycle)
+            gl.store(rec + trace.SM, trace.sm_id())
+            gl.store(rec + trace.WORK, n_steps.to(gl.int64) * 8 + active.to(gl.int64) + 2 * second.to(gl.int64)
+                     + 4 * third.to(gl.int64))
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         a_desc = tma.make_tensor_descriptor(x_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
@@ -453,13 +503,13 @@ if HAVE_GLUON:
         off_n = pid_n * 128
         gl.warp_specialize([
             (_trio_consumer, (a0_smem, b_smem, ready, empty, xs_ptr, ws, out_desc, hs_ptr, park0, out0, off_m, off_n,
-                              pid_n, n_steps, active, N, K, alpha, limit, beta, ACT, STAGES)),
+                              pid_n, n_steps, active, N, K, alpha, limit, beta, ACT, STAGES, TRACE, rec, 0)),
             (_trio_consumer, (a1_smem, b_smem, ready, empty, xs_ptr, ws, out_desc, hs_ptr, park1, out1, off_m + 64,
-                              off_n, pid_n, n_steps, second, N, K, alpha, limit, beta, ACT, STAGES)),
+                              off_n, pid_n, n_steps, second, N, K, alpha, limit, beta, ACT, STAGES, TRACE, rec, 1)),
             (_trio_consumer, (a2_smem, b_smem, ready, empty, xs_ptr, ws, out_desc, hs_ptr, park2, out2, off_m + 128,
-                              off_n, pid_n, n_steps, third, N, K, alpha, limit, beta, ACT, STAGES)),
+                              off_n, pid_n, n_steps, third, N, K, alpha, limit, beta, ACT, STAGES, TRACE, rec, 2)),
             (_trio_producer, (a_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                              second, third, N, STAGES, BK, LIVE_ROWS)),
+                              second, third, N, STAGES, BK, LIVE_ROWS, TRACE, rec)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -679,14 +729,16 @@ TRIO_BF16_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 168, "PRODUCER_REGS": 24}
 
 def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_table: torch.Tensor,
                      block_expert: torch.Tensor, sorted_pair: torch.Tensor, num_m: int, n_local: int, n: int,
-                     act: int, alpha: float, limit: float, beta: float,
-                     group_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     act: int, alpha: float, limit: float, beta: float, group_m: int,
+                     trace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up_act over 192-row blocks (the experts' runs padded to 192): one weight-tile load per
     192 rows instead of per 64, and three warp groups to keep the tensor cores busy while each
     scales its products. sorted_pair marks the padding rows (-1): a block's 64-row group that holds
     none of its expert's rows is skipped, so the padding costs no more products than in 64-row
     blocks (only loads). xg in BF16 (with BF16 weights): h is bf16, no scales (xsg is returned as
-    the scales, unread)."""
+    the scales, unread). trace (FP8 only): an int64 tensor of trio_trace_slots(...) values that
+    receives each program's record of where its time went (kernels/gluon_trace.py), from a build of
+    the kernel with the timers compiled in."""
     rows, k = xg.shape
     if xg.dtype not in (torch.float8_e4m3fn, torch.bfloat16):
         raise ValueError(f"moe_gluon.gate_up_act_trio: activations in {xg.dtype}; FP8 (e4m3) or bf16 needed")
@@ -698,6 +750,13 @@ def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor,
     n_tiles = n // 128
     group_m = group_m if group_m < 0 else max(group_m, 1)
     live_rows = _live_rows_only()
+    if trace is not None:
+        wanted = trio_trace_slots(num_m, n)
+        if xg.dtype != torch.float8_e4m3fn or trace.dtype != torch.int64 or trace.numel() < wanted \
+                or trace.device != xg.device:
+            raise ValueError(f"moe_gluon.gate_up_act_trio: trace must be an int64 tensor of at least {wanted} values "
+                             f"on {xg.device} with FP8 activations; got {trace.dtype}, {trace.numel()} values on "
+                             f"{trace.device}, activations in {xg.dtype}")
     if xg.dtype == torch.bfloat16:
         _gate_up_trio_bf16_kernel[(num_m * n_tiles,)](
             xg, w_table, block_expert, sorted_pair, h, rows, n_local, num_m, n_tiles, alpha, limit, beta, N=n, K=k,
@@ -705,9 +764,16 @@ def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor,
         return h, xsg  # no scales in BF16
     hs = torch.empty(rows, n // 128, dtype=torch.float32, device=xg.device)
     _gate_up_trio_kernel[(num_m * n_tiles,)](
-        xg, xsg, w_table, ws_table, block_expert, sorted_pair, h, hs, rows, n_local, num_m, n_tiles, alpha, limit,
-        beta, N=n, K=k, ACT=act, GROUP_M=group_m, num_warps=4, LIVE_ROWS=live_rows, **TRIO_CONFIG)
+        xg, xsg, w_table, ws_table, block_expert, sorted_pair, h, hs, hs if trace is None else trace, rows, n_local,
+        num_m, n_tiles, alpha, limit, beta, N=n, K=k, ACT=act, GROUP_M=group_m, num_warps=4, LIVE_ROWS=live_rows,
+        TRACE=trace is not None, **TRIO_CONFIG)
     return h, hs
+
+
+def trio_trace_slots(num_m: int, n: int) -> int:
+    """The int64 values a traced 192-row gate/up over num_m blocks and n columns of h writes: one
+    record per program (kernels/gluon_trace.py)."""
+    return num_m * (n // 128) * trace.RECORD_SLOTS
 
 
 def _live_rows_only() -> bool:

@@ -1,0 +1,188 @@
+"""Where the 192-row FP8 gate/up kernel's time goes, from timers inside it (one Hopper GPU).
+
+    python -m minimax_backend.tools.trace_gate_up --tokens 4096 8192 16384 --json trace.json
+
+The gate/up of M3's MoE layer (bench_moe's `m3` block, FP8) is captured from one layer call at each
+token count (its inputs exactly as the layer makes them) and launched alone: untimed, then the
+build with its timers compiled in (kernels/gluon_trace.py), whose records say per program when it
+started and ended on which SM, when its first stage landed, when its last product was done, and
+how many cycles its producer waited for free stages and its consumer warp groups for loaded ones.
+Printed per token count, as shares of the kernel's SM time (SMs used x the kernel's span):
+
+    head, between, tail   no program on the SM: before its first, between two (the next one's
+                          launch), after its last until the kernel's last program ends
+    fill                  a program's set-up and the ring's first loads (entry to first stage landed)
+    K loop                first stage landed to last product done (group 0)
+    epilogue              last product to the program's last store
+    idle blocks           programs whose block holds no rows
+
+and for the K loops: us per K step, how much of them the live consumer groups spent waiting for
+loaded stages (loads behind) and the producer spent waiting for free stages (products behind),
+and the weights' rate over the K loops. The traced kernel's time beside the plain one's says what
+the timers cost. The layer takes the 192-row gate/up from 128 rows per expert (4096 tokens at EP 1,
+kernel option moe_gemm=auto); MINIMAX_MOE_GEMM=gluon192 forces it at fewer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import statistics
+
+import torch
+
+from minimax_backend.kernels import gluon_trace
+
+WEIGHT_BYTES_PER_STEP = 128 * 128  # one stacked [128, 128] FP8 weight tile per K step
+
+
+def summarize(records: torch.Tensor) -> dict:
+    """The shares and rates above from a traced launch's records ([programs, RECORD_SLOTS] int64)."""
+    if records.dim() != 2 or records.shape[1] != gluon_trace.RECORD_SLOTS or records.shape[0] == 0:
+        raise ValueError(f"trace records must be [programs, {gluon_trace.RECORD_SLOTS}], got {tuple(records.shape)}")
+    r = {name: records[:, i].tolist() for name, i in gluon_trace.SLOT.items()}
+    programs = records.shape[0]
+    if any(e <= 0 or s <= 0 for e, s in zip(r["end_ns"], r["entry_ns"])):
+        raise ValueError("a program left no record (entry or end time 0): the launch did not run every program "
+                         "with the timers on")
+    start, end = min(r["entry_ns"]), max(r["end_ns"])
+    span = end - start
+    # cycles per ns of each program from its own span (the SM clock moves under the power limit)
+    rates = [(ec - c0) / (e - s) for c0, ec, s, e in zip(r["entry_cycle"], r["end_cycle"], r["entry_ns"], r["end_ns"])
+             if e - s > 1000]
+    ghz = statistics.median(rates) if rates else 1.0
+    live = [i for i in range(programs) if r["work"][i] & 1]
+    idle = [i for i in range(programs) if not r["work"][i] & 1]
+
+    def ns(cycles: float) -> float:
+        return cycles / ghz
+
+    fill = sum(ns(r["first_ready_cycle"][i] - r["entry_cycle"][i]) for i in live)
+    loop = sum(ns(r["last_product_cycle"][i] - r["first_ready_cycle"][i]) for i in live)
+    epilogue = sum(ns(r["end_cycle"][i] - r["last_product_cycle"][i]) for i in live)
+    idle_ns = sum(r["end_ns"][i] - r["entry_ns"][i] for i in idle)
+    by_sm: dict[int, list[int]] = {}
+    for i in range(programs):
+        by_sm.setdefault(r["sm"][i], []).append(i)
+    head = tail = between = 0
+    for progs in by_sm.values():
+        progs.sort(key=lambda i: r["entry_ns"][i])
+        head += r["entry_ns"][progs[0]] - start
+        tail += end - max(r["end_ns"][i] for i in progs)
+        between += sum(max(r["entry_ns"][b] - r["end_ns"][a], 0) for a, b in zip(progs, progs[1:]))
+    sm_time = len(by_sm) * span
+    steps = [2 * (r["work"][i] >> 3) for i in live]  # two 64-column halves of K steps each
+    loop_cycles = [r["last_product_cycle"][i] - r["first_ready_cycle"][i] for i in live]
+    groups = [(i, g) for i in live for g in range(3) if r["work"][i] >> g & 1]
+    ready_wait = sum(r[f"ready_wait_{g}"][i] for i, g in groups)
+    ready_span = sum(loop_cycles[live.index(i)] for i, _ in groups)
+    producer_span = sum(r["last_issue_cycle"][i] - r["producer_entry_cycle"][i] for i in live)
+    return {
+        "programs": programs,
+        "live_programs": len(live),
+        "sms": len(by_sm),
+        "programs_per_sm": programs / len(by_sm),
+        "span_us": span / 1e3,
+        "sm_ghz": ghz,
+        "share": {
+            "head": head / sm_time, "between": between / sm_time, "tail": tail / sm_time,
+            "fill": fill / sm_time, "k_loop": loop / sm_time, "epilogue": epilogue / sm_time,
+            "idle_blocks": idle_ns / sm_time,
+        },
+        "program_us_median": statistics.median(r["end_ns"][i] - r["entry_ns"][i] for i in live) / 1e3 if live else 0.0,
+        "fill_us_median": statistics.median(ns(r["first_ready_cycle"][i] - r["entry_cycle"][i]) for i in live) / 1e3
+        if live else 0.0,
+        "epilogue_us_median": statistics.median(ns(r["end_cycle"][i] - r["last_product_cycle"][i]) for i in live) / 1e3
+        if live else 0.0,
+        "us_per_k_step": ns(sum(loop_cycles)) / max(sum(steps), 1) / 1e3,
+        "consumer_ready_wait": ready_wait / ready_span if ready_span else 0.0,
+        "producer_empty_wait": sum(r["empty_wait"][i] for i in live) / producer_span if producer_span else 0.0,
+        # weights over the K loops of all SMs at once: each SM streams one program's tiles at a time
+        "k_loop_weight_gbs": sum(steps) * WEIGHT_BYTES_PER_STEP / ns(sum(loop_cycles)) * len(by_sm)
+        if loop_cycles else 0.0,
+    }
+
+
+def capture_gate_up(layer_call) -> dict:
+    """The arguments of the 192-row gate/up in one call of the layer, by name."""
+    from minimax_backend.kernels import moe_gluon
+
+    real = moe_gluon.gate_up_act_trio
+    seen: list[inspect.BoundArguments] = []
+
+    def recorder(*args, **kwargs):
+        seen.append(inspect.signature(real).bind(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    moe_gluon.gate_up_act_trio = recorder
+    try:
+        layer_call()
+    finally:
+        moe_gluon.gate_up_act_trio = real
+    if len(seen) != 1:
+        raise SystemExit(f"the layer called the 192-row gate/up {len(seen)} times, expected once: it runs there from "
+                         "128 rows per expert (kernel option moe_gemm=auto); MINIMAX_MOE_GEMM=gluon192 forces it")
+    return dict(seen[0].arguments)
+
+
+def trace_tokens(w_args, hidden: int, tokens: int, repeats: int, device: torch.device) -> dict:
+    from minimax_backend.kernels import moe_gluon
+    from minimax_backend.tools.bench_common import median_ms
+
+    x = torch.randn(tokens, hidden, device=device, generator=torch.Generator(device).manual_seed(tokens))
+    x = x.to(torch.bfloat16)
+    sp = ("", 1, False, False, tokens, "allgather")  # one device: the block on its tokens
+    kw = capture_gate_up(lambda: torch.ops.minimax.mega_moe(x, *w_args, *sp))
+    if kw["xg"].dtype != torch.float8_e4m3fn:
+        raise SystemExit("trace_gate_up traces the FP8 gate/up; the layer ran it in BF16")
+    buf = torch.zeros(moe_gluon.trio_trace_slots(kw["num_m"], kw["n"]), dtype=torch.int64, device=device)
+    plain_ms = median_ms(lambda: moe_gluon.gate_up_act_trio(**kw), 3, repeats)
+    traced_ms = median_ms(lambda: moe_gluon.gate_up_act_trio(**kw, trace=buf), 3, repeats)
+    summary = summarize(buf.view(-1, gluon_trace.RECORD_SLOTS).cpu())
+    weights = summary["live_programs"] * 2 * (kw["xg"].shape[1] // 128) * WEIGHT_BYTES_PER_STEP
+    return {"tokens": tokens, "blocks": kw["num_m"], "plain_us": plain_ms * 1e3, "traced_us": traced_ms * 1e3,
+            "weights_gbs": weights / (plain_ms * 1e-3) / 1e9, **summary}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--preset", default="m3")
+    p.add_argument("--repeats", type=int, default=10, help="timed launches of each build, median")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if min(args.tokens) < 1 or args.repeats < 1:
+        raise SystemExit("--tokens and --repeats must be at least 1")
+    import minimax_backend.kernels  # noqa: F401  (registers the ops)
+    from minimax_backend.kernels import moe_gluon
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if not moe_gluon.gluon_available(device):
+        raise SystemExit("trace_gate_up needs triton's Gluon and an sm_90 GPU (H100 / H200)")
+    from minimax_backend.kernels.moe import block_op_args
+    from minimax_backend.tools.bench_common import copy_bandwidth_gbs, print_table, write_json
+    from minimax_backend.tools.bench_moe import build_block
+
+    cfg, blk = build_block(args.preset, 0, 1, True, device)
+    w_args = block_op_args(blk)
+    copy = copy_bandwidth_gbs(device)
+    rows = []
+    for tokens in args.tokens:
+        print(f"tracing the gate/up at {tokens} tokens ...", flush=True)
+        row = trace_tokens(w_args, cfg.hidden_size, tokens, args.repeats, device)
+        row["weights_over_copy"] = row["weights_gbs"] / copy
+        rows.append(row)
+    table = [{"tokens": r["tokens"], "plain_us": r["plain_us"], "traced_us": r["traced_us"],
+              "programs_per_sm": r["programs_per_sm"], "program_us": r["program_us_median"],
+              **{k: r["share"][k] for k in ("head", "between", "tail", "fill", "k_loop", "epilogue", "idle_blocks")},
+              "us_per_step": r["us_per_k_step"], "ready_wait": r["consumer_ready_wait"],
+              "empty_wait": r["producer_empty_wait"], "weights/copy": r["weights_over_copy"],
+              "k_loop_weights/copy": r["k_loop_weight_gbs"] / copy} for r in rows]
+    print_table(table, list(table[0]), f"192-row FP8 gate/up, shares of SM time (copy {copy:.0f} GB/s)")
+    if args.json:
+        write_json(args.json, {"benchmark": "trace_gate_up", "preset": args.preset,
+                               "copy_gbs": copy, "repeats": args.repeats, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
