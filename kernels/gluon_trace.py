@@ -4,7 +4,7 @@ The GPU box has no Nsight Compute, so a warp-specialized kernel cannot be asked 
 long its producer waited for a free stage or its consumers for a loaded one. A kernel compiled
 with its TRACE switch on reads the SM's cycle counter around those waits and at the edges of each
 program (entry, first stage landed, last product done, end) and stores one record per program;
-tools/trace_gate_up.py turns the records into the shares of the kernel's SM time. With TRACE off
+tools/trace_moe_gemms.py turns the records into the shares of the kernel's SM time. With TRACE off
 the kernel compiles to the same code as without these helpers.
 
 A record is RECORD_SLOTS int64 values per program (slot names below). Cycle counts come from

@@ -156,9 +156,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_product(a_smem, b_smem, ready, empty, a_scales, b_scales, n_steps, it0, STAGES: gl.constexpr,
-                    layout: gl.constexpr):
+                    layout: gl.constexpr, TRACE: gl.constexpr = False, waited=0):
         """This warp group's [64, 128] tile over the K steps: each step's product times its block scales.
-        it0: the ring's iteration of the first step (earlier tiles of the program took it0 stages)."""
+        it0: the ring's iteration of the first step (earlier tiles of the program took it0 stages).
+        TRACE: also the cycles it waited for loaded stages, added to `waited` (returned beside the tile)."""
         acc = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
         p = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
         for ki in range(n_steps):
@@ -166,12 +167,17 @@ if HAVE_GLUON:
             s = it % STAGES
             sa = gl.load(a_scales + ki)
             sb = gl.load(b_scales + ki)
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+            if TRACE:
+                c0 = trace.clock32()
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                waited += trace.clock32() - c0
+            else:
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             p = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
             p = warpgroup_mma_wait(0, deps=(p, ))
             mbarrier.arrive(empty.index(s), count=1)
             acc += p * (sa * sb)[:, None]
-        return acc
+        return acc, waited
 
     @gluon.jit
     def _gate_up_ws_consumer(a_smem, b_smem, ready, empty, xs_ptr, ws, h_ptr, hs_ptr, epi_smem, epi_bar, off_m,
@@ -179,8 +185,8 @@ if HAVE_GLUON:
                              ACT: gl.constexpr, STAGES: gl.constexpr, IS_UP: gl.constexpr):
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
         rows = off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        acc = _ws_product(a_smem, b_smem, ready, empty, xs_ptr + rows.to(gl.int64) * (K // 128),
-                          ws + (w_row // 128) * (K // 128), n_steps, 0, STAGES, layout)
+        acc, _ = _ws_product(a_smem, b_smem, ready, empty, xs_ptr + rows.to(gl.int64) * (K // 128),
+                             ws + (w_row // 128) * (K // 128), n_steps, 0, STAGES, layout)
         v = acc.to(gl.bfloat16)  # the eager MLP rounds gate/up to bf16 first
         if IS_UP:  # hand the up tile to the gate group, which finishes the tile
             epi_smem.store(v)
@@ -257,6 +263,18 @@ if HAVE_GLUON:
         w = gl.load(w_table + e).to(gl.pointer_type(DTYPE))
         ws = gl.load(ws_table + e).to(gl.pointer_type(gl.float32))
         return pid_n, off_m, n_steps, active, second, third, w, ws
+
+    @gluon.jit
+    def _trace_entry(trace_ptr, entry_ns, entry_cycle, n_steps, active, second, third):
+        """A traced 192-row program's record (kernels/gluon_trace.py): its entry times (read first thing
+        in the kernel), its SM and its work (K steps a pass, which 64-row groups hold rows)."""
+        rec = trace_ptr + gl.program_id(0).to(gl.int64) * trace.RECORD
+        gl.store(rec + trace.ENTRY_NS, entry_ns)
+        gl.store(rec + trace.ENTRY_CYCLE, entry_cycle)
+        gl.store(rec + trace.SM, trace.sm_id())
+        gl.store(rec + trace.WORK, n_steps.to(gl.int64) * 8 + active.to(gl.int64) + 2 * second.to(gl.int64)
+                 + 4 * third.to(gl.int64))
+        return rec
 
     @gluon.jit
     def _trio_stage_tiles(STAGES: gl.constexpr, layout: gl.constexpr, DTYPE: gl.constexpr, BK: gl.constexpr):
@@ -476,12 +494,7 @@ if HAVE_GLUON:
             gl.float8e4nv)
         rec = trace_ptr
         if TRACE:
-            rec = trace_ptr + gl.program_id(0).to(gl.int64) * trace.RECORD
-            gl.store(rec + trace.ENTRY_NS, entry_ns)
-            gl.store(rec + trace.ENTRY_CYCLE, entry_cycle)
-            gl.store(rec + trace.SM, trace.sm_id())
-            gl.store(rec + trace.WORK, n_steps.to(gl.int64) * 8 + active.to(gl.int64) + 2 * second.to(gl.int64)
-                     + 4 * third.to(gl.int64))
+            rec = _trace_entry(trace_ptr, entry_ns, entry_cycle, n_steps, active, second, third)
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         a_desc = tma.make_tensor_descriptor(x_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
@@ -518,25 +531,38 @@ if HAVE_GLUON:
     @gluon.jit
     def _down_trio_producer(h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
                             second, third, STAGES: gl.constexpr, COL_TILES: gl.constexpr, BK: gl.constexpr,
-                            LIVE_ROWS: gl.constexpr):
+                            LIVE_ROWS: gl.constexpr, TRACE: gl.constexpr = False, rec=None):
         """The producer warp: for each of the program's column tiles and each K step, the three 64-row
         tiles of h and the [128, BK] weight tile. It runs on into the next column tile while the
-        consumers store the last one, so only the program's first tile waits for the ring to fill."""
+        consumers store the last one, so only the program's first tile waits for the ring to fill.
+        TRACE: how long it waited for free stages, into the program's record rec."""
+        if TRACE:
+            gl.store(rec + trace.PRODUCER_ENTRY_CYCLE, trace.clock())
+            waited = trace.clock32() * 0
         for j in range(COL_TILES):
             for ki in range(n_steps):
-                s = _trio_rows_into_stage(h_desc, a0_smem, a1_smem, a2_smem, ready, empty, j * n_steps + ki, off_m,
+                it = j * n_steps + ki
+                if TRACE:  # the wait below, timed; the one inside _trio_rows_into_stage then passes at once
+                    c0 = trace.clock32()
+                    mbarrier.wait(empty.index(it % STAGES), ((it // STAGES) & 1) ^ 1)
+                    waited += trace.clock32() - c0
+                s = _trio_rows_into_stage(h_desc, a0_smem, a1_smem, a2_smem, ready, empty, it, off_m,
                                           ki * BK, second, third, w_desc.block_type.nbytes, LIVE_ROWS, STAGES)
                 _tma_load(w_desc, [off_n + 128 * j, ki * BK], ready.index(s), b_smem.index(s))
+        if TRACE:
+            gl.store(rec + trace.LAST_ISSUE_CYCLE, trace.clock())
+            gl.store(rec + trace.EMPTY_WAIT, waited.to(gl.int64))
 
     @gluon.jit
     def _down_trio_consumer(a_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_desc, y_smem, off_m,
                             off_n, n_steps, live, K: gl.constexpr, STAGES: gl.constexpr, COL_TILES: gl.constexpr,
-                            FP8: gl.constexpr):
+                            FP8: gl.constexpr, TRACE: gl.constexpr = False, rec=None, GROUP: gl.constexpr = 0):
         """One warp group's [64, 128] tiles of y, one per column tile: in FP8 the products scaled per K
         step as the Triton down kernel does, in BF16 summed on the tensor cores; rounded to bf16, times
         the pair's routing weight (0 on padding rows, which nothing reads), rounded again, and stored
         from y_smem by TMA while the next tile's products run. A group whose rows are all padding only
-        releases the stages."""
+        releases the stages. TRACE (FP8): its waits for loaded stages into the program's record rec, and
+        group 0 (GROUP) the program's edges."""
         if FP8:
             layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, 128, 32])
@@ -548,13 +574,25 @@ if HAVE_GLUON:
             pair = gl.load(sorted_pair + rows)
             valid = pair >= 0
             wt = gl.load(topk_w + gl.where(valid, pair, 0), mask=valid, other=0.0)
+            waited = 0
+            if TRACE:  # the first stage's wait, timed alone: when the ring's first loads landed
+                mbarrier.wait(ready.index(0), 0)
+                if GROUP == 0:
+                    gl.store(rec + trace.FIRST_READY_CYCLE, trace.clock())
+                waited = trace.clock32() * 0
             for j in range(COL_TILES):
                 col0 = off_n + 128 * j
                 if FP8:
-                    acc = _ws_product(a_smem, b_smem, ready, empty, hs_ptr + rows.to(gl.int64) * (K // 128),
-                                      ws + (col0 // 128) * (K // 128), n_steps, j * n_steps, STAGES, layout)
+                    acc, waited = _ws_product(a_smem, b_smem, ready, empty, hs_ptr + rows.to(gl.int64) * (K // 128),
+                                              ws + (col0 // 128) * (K // 128), n_steps, j * n_steps, STAGES, layout,
+                                              TRACE, waited)
                 else:
                     acc = _bf16_product(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout)
+                if TRACE:
+                    if j == COL_TILES - 1:
+                        if GROUP == 0:
+                            gl.store(rec + trace.LAST_PRODUCT_CYCLE, trace.clock())
+                        gl.store(rec + trace.READY_WAIT_0 + GROUP, waited.to(gl.int64))
                 y = acc.to(gl.bfloat16).to(gl.float32) * wt[:, None]
                 tma.store_wait(0)  # the last tile has left y_smem
                 _group_barrier()
@@ -562,17 +600,25 @@ if HAVE_GLUON:
             tma.store_wait(0)
         else:
             _release_stages(ready, empty, COL_TILES * n_steps, STAGES)
+        if TRACE:
+            if GROUP == 0:
+                gl.store(rec + trace.END_CYCLE, trace.clock())
+                gl.store(rec + trace.END_NS, trace.global_ns())
 
     @gluon.jit
-    def _down_trio_kernel(h_ptr, hs_ptr, w_table, ws_table, block_expert, sorted_pair, topk_w, y_ptr, rows_total,
-                          n_local, num_m_blocks, num_n_tiles, N_OUT: gl.constexpr, K: gl.constexpr,
+    def _down_trio_kernel(h_ptr, hs_ptr, w_table, ws_table, block_expert, sorted_pair, topk_w, y_ptr, trace_ptr,
+                          rows_total, n_local, num_m_blocks, num_n_tiles, N_OUT: gl.constexpr, K: gl.constexpr,
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, COL_TILES: gl.constexpr = 1,
-                          FP8: gl.constexpr = True, LIVE_ROWS: gl.constexpr = False):
+                          FP8: gl.constexpr = True, LIVE_ROWS: gl.constexpr = False, TRACE: gl.constexpr = False):
         """y of one [192, 128 * COL_TILES] tile (num_n_tiles counts those): warp groups 0, 1, 2 rows
         0-63, 64-127, 128-191 of the block, all from the same 128-row tiles of the expert's down
         weight, one 128-column tile after the other. FP8 (h with its 1 x 128 scales, block-scaled
-        weights) or BF16 (hs_ptr and ws_table unused)."""
+        weights) or BF16 (hs_ptr and ws_table unused). TRACE (FP8): each program's record of where its
+        time went into trace_ptr (kernels/gluon_trace.py; unread otherwise)."""
+        if TRACE:
+            entry_ns = trace.global_ns()
+            entry_cycle = trace.clock()
         if FP8:
             BK: gl.constexpr = 128
             DTYPE: gl.constexpr = gl.float8e4nv
@@ -583,6 +629,9 @@ if HAVE_GLUON:
             smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         pid_n, off_m, n_steps, active, second, third, w, ws = _trio_block(
             block_expert, sorted_pair, w_table, ws_table, n_local, num_m_blocks, num_n_tiles, K, GROUP_M, BK, DTYPE)
+        rec = trace_ptr
+        if TRACE:
+            rec = _trace_entry(trace_ptr, entry_ns, entry_cycle, n_steps, active, second, third)
         h_desc = tma.make_tensor_descriptor(h_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
         w_desc = tma.make_tensor_descriptor(w, shape=[N_OUT, K], strides=[K, 1], block_shape=[128, BK],
@@ -599,13 +648,13 @@ if HAVE_GLUON:
         off_n = pid_n * 128 * COL_TILES
         gl.warp_specialize([
             (_down_trio_consumer, (a0_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_desc, y0, off_m,
-                                   off_n, n_steps, active, K, STAGES, COL_TILES, FP8)),
+                                   off_n, n_steps, active, K, STAGES, COL_TILES, FP8, TRACE, rec, 0)),
             (_down_trio_consumer, (a1_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_desc, y1,
-                                   off_m + 64, off_n, n_steps, second, K, STAGES, COL_TILES, FP8)),
+                                   off_m + 64, off_n, n_steps, second, K, STAGES, COL_TILES, FP8, TRACE, rec, 1)),
             (_down_trio_consumer, (a2_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_desc, y2,
-                                   off_m + 128, off_n, n_steps, third, K, STAGES, COL_TILES, FP8)),
+                                   off_m + 128, off_n, n_steps, third, K, STAGES, COL_TILES, FP8, TRACE, rec, 2)),
             (_down_trio_producer, (h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n,
-                                   n_steps, second, third, STAGES, COL_TILES, BK, LIVE_ROWS)),
+                                   n_steps, second, third, STAGES, COL_TILES, BK, LIVE_ROWS, TRACE, rec)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -751,12 +800,7 @@ def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor,
     group_m = group_m if group_m < 0 else max(group_m, 1)
     live_rows = _live_rows_only()
     if trace is not None:
-        wanted = trio_trace_slots(num_m, n)
-        if xg.dtype != torch.float8_e4m3fn or trace.dtype != torch.int64 or trace.numel() < wanted \
-                or trace.device != xg.device:
-            raise ValueError(f"moe_gluon.gate_up_act_trio: trace must be an int64 tensor of at least {wanted} values "
-                             f"on {xg.device} with FP8 activations; got {trace.dtype}, {trace.numel()} values on "
-                             f"{trace.device}, activations in {xg.dtype}")
+        _check_trace(trace, trio_trace_slots(num_m, n), xg, "gate_up_act_trio")
     if xg.dtype == torch.bfloat16:
         _gate_up_trio_bf16_kernel[(num_m * n_tiles,)](
             xg, w_table, block_expert, sorted_pair, h, rows, n_local, num_m, n_tiles, alpha, limit, beta, N=n, K=k,
@@ -793,12 +837,13 @@ DOWN_TRIO_COL_TILES = 3
 
 def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table: torch.Tensor,
               block_expert: torch.Tensor, sorted_pair: torch.Tensor, topk_w: torch.Tensor, num_m: int, n_local: int,
-              n_out: int, group_m: int) -> torch.Tensor:
+              n_out: int, group_m: int, trace: torch.Tensor | None = None) -> torch.Tensor:
     """y [rows, n_out] bf16 = h @ w2.T of each row's expert, times its pair's routing weight
     (topk_w, float32, by pair), over the 192-row blocks gate_up_act_trio wrote h in (block_expert,
     its groups, sorted_pair as there); the rows of padding hold no meaningful value (the combine never
     reads them). FP8: the same products, scaling and rounding as the Triton down kernel, bit for bit.
-    BF16 h (and weights): hs unread."""
+    BF16 h (and weights): hs unread. trace (FP8 only): an int64 tensor of down_trace_slots(...) values
+    that receives each program's record of where its time went (kernels/gluon_trace.py)."""
     rows, k = h.shape
     if h.dtype not in (torch.float8_e4m3fn, torch.bfloat16):
         raise ValueError(f"moe_gluon.down_trio: h in {h.dtype}; FP8 (e4m3) or bf16 needed")
@@ -806,11 +851,28 @@ def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table
         raise ValueError(f"moe_gluon.down_trio: {rows} rows for {num_m} blocks of {TRIO_BLOCK_M} "
                          f"({sorted_pair.numel()} sorted rows), n_out {n_out}, K {k} (whole blocks and 128-wide tiles needed)")
     _ensure_allocator()
+    if trace is not None:
+        _check_trace(trace, down_trace_slots(num_m, n_out), h, "down_trio")
     y = torch.empty(rows, n_out, dtype=torch.bfloat16, device=h.device)
     col_tiles = col_tiles_per_program(n_out // 128, DOWN_TRIO_COL_TILES)
     n_groups = n_out // 128 // col_tiles
     _down_trio_kernel[(num_m * n_groups,)](
-        h, hs, w_table, ws_table, block_expert, sorted_pair, topk_w, y, rows, n_local, num_m, n_groups,
-        N_OUT=n_out, K=k, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, COL_TILES=col_tiles,
-        FP8=h.dtype != torch.bfloat16, LIVE_ROWS=_live_rows_only(), **DOWN_TRIO_CONFIG)
+        h, hs, w_table, ws_table, block_expert, sorted_pair, topk_w, y, hs if trace is None else trace, rows, n_local,
+        num_m, n_groups, N_OUT=n_out, K=k, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4,
+        COL_TILES=col_tiles, FP8=h.dtype != torch.bfloat16, LIVE_ROWS=_live_rows_only(), TRACE=trace is not None,
+        **DOWN_TRIO_CONFIG)
     return y
+
+
+def down_trace_slots(num_m: int, n_out: int) -> int:
+    """The int64 values a traced down over num_m blocks and n_out columns of y writes: one record per
+    program, each program DOWN_TRIO_COL_TILES (or fewer, a divisor) 128-column tiles."""
+    return num_m * (n_out // 128 // col_tiles_per_program(n_out // 128, DOWN_TRIO_COL_TILES)) * trace.RECORD_SLOTS
+
+
+def _check_trace(buf: torch.Tensor, wanted: int, x: torch.Tensor, name: str) -> None:
+    """A trace buffer the kernel can fill: int64, one record per program, on the kernel's device, FP8 input."""
+    if x.dtype != torch.float8_e4m3fn or buf.dtype != torch.int64 or buf.numel() < wanted or buf.device != x.device:
+        raise ValueError(f"moe_gluon.{name}: trace must be an int64 tensor of at least {wanted} values on {x.device} "
+                         f"with FP8 activations; got {buf.dtype}, {buf.numel()} values on {buf.device}, activations "
+                         f"in {x.dtype}")

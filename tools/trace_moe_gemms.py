@@ -1,26 +1,28 @@
-"""Where the 192-row FP8 gate/up kernel's time goes, from timers inside it (one Hopper GPU).
+"""Where the 192-row FP8 expert GEMMs' time goes, from timers inside them (one Hopper GPU).
 
-    python -m minimax_backend.tools.trace_gate_up --tokens 4096 8192 16384 --json trace.json
+    python -m minimax_backend.tools.trace_moe_gemms --tokens 4096 8192 16384 --json trace.json
 
-The gate/up of M3's MoE layer (bench_moe's `m3` block, FP8) is captured from one layer call at each
-token count (its inputs exactly as the layer makes them) and launched alone: untimed, then the
-build with its timers compiled in (kernels/gluon_trace.py), whose records say per program when it
-started and ended on which SM, when its first stage landed, when its last product was done, and
-how many cycles its producer waited for free stages and its consumer warp groups for loaded ones.
-Printed per token count, as shares of the kernel's SM time (SMs used x the kernel's span):
+The gate/up and down kernels of M3's MoE layer (bench_moe's `m3` block, FP8; kernels/moe_gluon.py)
+are captured from one layer call at each token count (their inputs exactly as the layer makes
+them) and launched alone: as built, then the build with its timers compiled in
+(kernels/gluon_trace.py), whose records say per program when it started and ended on which SM, when
+its first stage landed, when its last product was done, and how many cycles its producer waited for
+free stages and its consumer warp groups for loaded ones. Printed per kernel and token count, as
+shares of the kernel's SM time (SMs used x the kernel's span):
 
     head, between, tail   no program on the SM: before its first, between two (the next one's
                           launch), after its last until the kernel's last program ends
     fill                  a program's set-up and the ring's first loads (entry to first stage landed)
-    K loop                first stage landed to last product done (group 0)
+    K loop                first stage landed to last product done (group 0); in the down, whose
+                          programs cover several column tiles, with the stores of all but the last
     epilogue              last product to the program's last store
     idle blocks           programs whose block holds no rows
 
 and for the K loops: us per K step, how much of them the live consumer groups spent waiting for
 loaded stages (loads behind) and the producer spent waiting for free stages (products behind),
 and the weights' rate over the K loops. The traced kernel's time beside the plain one's says what
-the timers cost. The layer takes the 192-row gate/up from 128 rows per expert (4096 tokens at EP 1,
-kernel option moe_gemm=auto); MINIMAX_MOE_GEMM=gluon192 forces it at fewer.
+the timers cost. The layer takes the 192-row kernels from 128 rows per expert (4096 tokens at EP 1,
+kernel option moe_gemm=auto); MINIMAX_MOE_GEMM=gluon192 forces them at fewer.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from minimax_backend.kernels import gluon_trace
 WEIGHT_BYTES_PER_STEP = 128 * 128  # one stacked [128, 128] FP8 weight tile per K step
 
 
-def summarize(records: torch.Tensor) -> dict:
-    """The shares and rates above from a traced launch's records ([programs, RECORD_SLOTS] int64)."""
+def summarize(records: torch.Tensor, passes: int) -> dict:
+    """The shares and rates above from a traced launch's records ([programs, RECORD_SLOTS] int64) of a
+    kernel whose programs walk K `passes` times (the gate/up: its two 64-column halves; the down: its
+    column tiles)."""
     if records.dim() != 2 or records.shape[1] != gluon_trace.RECORD_SLOTS or records.shape[0] == 0:
         raise ValueError(f"trace records must be [programs, {gluon_trace.RECORD_SLOTS}], got {tuple(records.shape)}")
     r = {name: records[:, i].tolist() for name, i in gluon_trace.SLOT.items()}
@@ -71,7 +75,7 @@ def summarize(records: torch.Tensor) -> dict:
         tail += end - max(r["end_ns"][i] for i in progs)
         between += sum(max(r["entry_ns"][b] - r["end_ns"][a], 0) for a, b in zip(progs, progs[1:]))
     sm_time = len(by_sm) * span
-    steps = [2 * (r["work"][i] >> 3) for i in live]  # two 64-column halves of K steps each
+    steps = [passes * (r["work"][i] >> 3) for i in live]
     loop_cycles = [r["last_product_cycle"][i] - r["first_ready_cycle"][i] for i in live]
     groups = [(i, g) for i in live for g in range(3) if r["work"][i] >> g & 1]
     ready_wait = sum(r[f"ready_wait_{g}"][i] for i, g in groups)
@@ -103,45 +107,72 @@ def summarize(records: torch.Tensor) -> dict:
     }
 
 
-def capture_gate_up(layer_call) -> dict:
-    """The arguments of the 192-row gate/up in one call of the layer, by name."""
+KERNELS = {"gate_up": "gate_up_act_trio", "down": "down_trio"}  # name -> its launcher in moe_gluon
+
+
+def capture_launches(layer_call) -> dict[str, dict]:
+    """The arguments of the 192-row gate/up and down launches in one call of the layer, by name."""
     from minimax_backend.kernels import moe_gluon
 
-    real = moe_gluon.gate_up_act_trio
-    seen: list[inspect.BoundArguments] = []
+    reals = {name: getattr(moe_gluon, fn) for name, fn in KERNELS.items()}
+    seen: dict[str, list[inspect.BoundArguments]] = {name: [] for name in KERNELS}
 
-    def recorder(*args, **kwargs):
-        seen.append(inspect.signature(real).bind(*args, **kwargs))
-        return real(*args, **kwargs)
+    def recorder(name):
+        def record(*args, **kwargs):
+            seen[name].append(inspect.signature(reals[name]).bind(*args, **kwargs))
+            return reals[name](*args, **kwargs)
+        return record
 
-    moe_gluon.gate_up_act_trio = recorder
+    for name, fn in KERNELS.items():
+        setattr(moe_gluon, fn, recorder(name))
     try:
         layer_call()
     finally:
-        moe_gluon.gate_up_act_trio = real
-    if len(seen) != 1:
-        raise SystemExit(f"the layer called the 192-row gate/up {len(seen)} times, expected once: it runs there from "
-                         "128 rows per expert (kernel option moe_gemm=auto); MINIMAX_MOE_GEMM=gluon192 forces it")
-    return dict(seen[0].arguments)
+        for name, fn in KERNELS.items():
+            setattr(moe_gluon, fn, reals[name])
+    counts = {name: len(calls) for name, calls in seen.items()}
+    if set(counts.values()) != {1}:
+        raise SystemExit(f"the layer launched the 192-row kernels {counts} times, expected once each: they run from "
+                         "128 rows per expert (kernel option moe_gemm=auto, moe_down=auto); "
+                         "MINIMAX_MOE_GEMM=gluon192 forces them")
+    return {name: dict(calls[0].arguments) for name, calls in seen.items()}
 
 
-def trace_tokens(w_args, hidden: int, tokens: int, repeats: int, device: torch.device) -> dict:
+def _launch(name: str, kw: dict, trace: torch.Tensor | None = None):
     from minimax_backend.kernels import moe_gluon
+
+    return getattr(moe_gluon, KERNELS[name])(**kw, trace=trace)
+
+
+def _trace_setup(name: str, kw: dict) -> tuple[int, int, int]:
+    """(int64 values of the records, K passes per program, K steps per pass) of a launch."""
+    from minimax_backend.kernels import moe_gluon
+
+    if name == "gate_up":
+        return moe_gluon.trio_trace_slots(kw["num_m"], kw["n"]), 2, kw["xg"].shape[1] // 128
+    tiles = moe_gluon.col_tiles_per_program(kw["n_out"] // 128, moe_gluon.DOWN_TRIO_COL_TILES)
+    return moe_gluon.down_trace_slots(kw["num_m"], kw["n_out"]), tiles, kw["h"].shape[1] // 128
+
+
+def trace_tokens(w_args, hidden: int, tokens: int, repeats: int, device: torch.device) -> list[dict]:
     from minimax_backend.tools.bench_common import median_ms
 
     x = torch.randn(tokens, hidden, device=device, generator=torch.Generator(device).manual_seed(tokens))
     x = x.to(torch.bfloat16)
     sp = ("", 1, False, False, tokens, "allgather")  # one device: the block on its tokens
-    kw = capture_gate_up(lambda: torch.ops.minimax.mega_moe(x, *w_args, *sp))
-    if kw["xg"].dtype != torch.float8_e4m3fn:
-        raise SystemExit("trace_gate_up traces the FP8 gate/up; the layer ran it in BF16")
-    buf = torch.zeros(moe_gluon.trio_trace_slots(kw["num_m"], kw["n"]), dtype=torch.int64, device=device)
-    plain_ms = median_ms(lambda: moe_gluon.gate_up_act_trio(**kw), 3, repeats)
-    traced_ms = median_ms(lambda: moe_gluon.gate_up_act_trio(**kw, trace=buf), 3, repeats)
-    summary = summarize(buf.view(-1, gluon_trace.RECORD_SLOTS).cpu())
-    weights = summary["live_programs"] * 2 * (kw["xg"].shape[1] // 128) * WEIGHT_BYTES_PER_STEP
-    return {"tokens": tokens, "blocks": kw["num_m"], "plain_us": plain_ms * 1e3, "traced_us": traced_ms * 1e3,
-            "weights_gbs": weights / (plain_ms * 1e-3) / 1e9, **summary}
+    launches = capture_launches(lambda: torch.ops.minimax.mega_moe(x, *w_args, *sp))
+    rows = []
+    for name, kw in launches.items():
+        slots, passes, steps = _trace_setup(name, kw)
+        buf = torch.zeros(slots, dtype=torch.int64, device=device)
+        plain_ms = median_ms(lambda: _launch(name, kw), 3, repeats)
+        traced_ms = median_ms(lambda: _launch(name, kw, buf), 3, repeats)
+        summary = summarize(buf.view(-1, gluon_trace.RECORD_SLOTS).cpu(), passes)
+        # every live program streams its passes' weight tiles once
+        weights = summary["live_programs"] * passes * steps * WEIGHT_BYTES_PER_STEP
+        rows.append({"kernel": name, "tokens": tokens, "blocks": kw["num_m"], "plain_us": plain_ms * 1e3,
+                     "traced_us": traced_ms * 1e3, "weights_gbs": weights / (plain_ms * 1e-3) / 1e9, **summary})
+    return rows
 
 
 def main(argv=None) -> None:
@@ -158,7 +189,7 @@ def main(argv=None) -> None:
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if not moe_gluon.gluon_available(device):
-        raise SystemExit("trace_gate_up needs triton's Gluon and an sm_90 GPU (H100 / H200)")
+        raise SystemExit("trace_moe_gemms needs triton's Gluon and an sm_90 GPU (H100 / H200)")
     from minimax_backend.kernels.moe import block_op_args
     from minimax_backend.tools.bench_common import copy_bandwidth_gbs, print_table, write_json
     from minimax_backend.tools.bench_moe import build_block
@@ -168,19 +199,19 @@ def main(argv=None) -> None:
     copy = copy_bandwidth_gbs(device)
     rows = []
     for tokens in args.tokens:
-        print(f"tracing the gate/up at {tokens} tokens ...", flush=True)
-        row = trace_tokens(w_args, cfg.hidden_size, tokens, args.repeats, device)
-        row["weights_over_copy"] = row["weights_gbs"] / copy
-        rows.append(row)
-    table = [{"tokens": r["tokens"], "plain_us": r["plain_us"], "traced_us": r["traced_us"],
+        print(f"tracing the gate/up and down at {tokens} tokens ...", flush=True)
+        for row in trace_tokens(w_args, cfg.hidden_size, tokens, args.repeats, device):
+            row["weights_over_copy"] = row["weights_gbs"] / copy
+            rows.append(row)
+    table = [{"kernel": r["kernel"], "tokens": r["tokens"], "plain_us": r["plain_us"], "traced_us": r["traced_us"],
               "programs_per_sm": r["programs_per_sm"], "program_us": r["program_us_median"],
               **{k: r["share"][k] for k in ("head", "between", "tail", "fill", "k_loop", "epilogue", "idle_blocks")},
               "us_per_step": r["us_per_k_step"], "ready_wait": r["consumer_ready_wait"],
               "empty_wait": r["producer_empty_wait"], "weights/copy": r["weights_over_copy"],
               "k_loop_weights/copy": r["k_loop_weight_gbs"] / copy} for r in rows]
-    print_table(table, list(table[0]), f"192-row FP8 gate/up, shares of SM time (copy {copy:.0f} GB/s)")
+    print_table(table, list(table[0]), f"192-row FP8 expert GEMMs, shares of SM time (copy {copy:.0f} GB/s)")
     if args.json:
-        write_json(args.json, {"benchmark": "trace_gate_up", "preset": args.preset,
+        write_json(args.json, {"benchmark": "trace_moe_gemms", "preset": args.preset,
                                "copy_gbs": copy, "repeats": args.repeats, "rows": rows})
 
 

@@ -1,11 +1,12 @@
-"""tools/trace_gate_up.py and the gate/up's TRACE build (kernels/gluon_trace.py): the records' reading
-on made-up timelines (CPU), its errors, and on an sm_90 GPU the traced kernel's output and records."""
+"""tools/trace_moe_gemms.py and the 192-row FP8 GEMMs' TRACE builds (kernels/gluon_trace.py): the
+records' reading on made-up timelines (CPU), its errors, and on an sm_90 GPU the traced kernels'
+outputs and records."""
 
 import pytest
 import torch
 
 from minimax_backend.kernels import gluon_trace
-from minimax_backend.tools import trace_gate_up as tg
+from minimax_backend.tools import trace_moe_gemms as tg
 
 GHZ = 2.0  # cycles per ns of the made-up programs
 
@@ -41,7 +42,7 @@ def _timeline():
 def test_summary_splits_every_sm_nanosecond_once():
     """Head, launch gaps, tail, fill, K loop, epilogue and idle-block programs partition the SMs' time:
     each figure as counted by hand from the made-up timeline, and the shares add up to 1."""
-    s = tg.summarize(_timeline())
+    s = tg.summarize(_timeline(), 2)
     sm_time = 2 * 20000  # two SMs over 1000 .. 21000 ns
     expect = {"head": (0 + 200) / sm_time, "between": (500 + 200) / sm_time, "tail": (0 + 4700) / sm_time,
               "fill": (1000 + 1000 + 1000) / sm_time, "k_loop": (8500 + 7500 + 12800) / sm_time,
@@ -62,18 +63,27 @@ def test_summary_splits_every_sm_nanosecond_once():
 
 def test_summary_refuses_records_it_cannot_read():
     with pytest.raises(ValueError, match=r"must be \[programs, 14\]"):
-        tg.summarize(torch.zeros(3, 5, dtype=torch.int64))
+        tg.summarize(torch.zeros(3, 5, dtype=torch.int64), 2)
     with pytest.raises(ValueError, match=r"must be \[programs"):
-        tg.summarize(torch.zeros(0, gluon_trace.RECORD_SLOTS, dtype=torch.int64))
+        tg.summarize(torch.zeros(0, gluon_trace.RECORD_SLOTS, dtype=torch.int64), 2)
     records = _timeline()
     records[2, gluon_trace.SLOT["end_ns"]] = 0  # a program that never wrote its end
     with pytest.raises(ValueError, match="left no record"):
-        tg.summarize(records)
+        tg.summarize(records, 2)
 
 
-def test_capture_says_when_the_layer_did_not_run_the_192_row_gate_up():
-    with pytest.raises(SystemExit, match="called the 192-row gate/up 0 times.*MINIMAX_MOE_GEMM=gluon192"):
-        tg.capture_gate_up(lambda: None)
+def test_summary_counts_the_passes_each_program_makes_over_k():
+    """The down's programs walk K once per column tile: three passes count 3/2 the gate/up's steps."""
+    two, three = tg.summarize(_timeline(), 2), tg.summarize(_timeline(), 3)
+    assert three["us_per_k_step"] == pytest.approx(two["us_per_k_step"] * 2 / 3)
+    assert three["k_loop_weight_gbs"] == pytest.approx(two["k_loop_weight_gbs"] * 3 / 2)
+    assert three["share"] == two["share"]
+
+
+def test_capture_says_when_the_layer_did_not_run_the_192_row_kernels():
+    with pytest.raises(SystemExit, match=r"launched the 192-row kernels \{'gate_up': 0, 'down': 0\} times.*"
+                                         "MINIMAX_MOE_GEMM=gluon192"):
+        tg.capture_launches(lambda: None)
 
 
 def test_trace_needs_an_sm90_gpu():
@@ -105,14 +115,20 @@ def test_gate_up_refuses_a_trace_buffer_it_cannot_fill():
     with pytest.raises(ValueError, match="with FP8 activations"):
         mg.gate_up_act_trio(xg.to(torch.bfloat16), xs, table, table, blocks, pairs, 1, 2, n, 0, 1.0, 7.0, 1.0, -1,
                             trace=torch.zeros(wanted, dtype=torch.int64))
+    # the down: 256 output columns are two 128-column tiles, one program (both tiles) per block
+    wanted = mg.down_trace_slots(1, 256)
+    assert wanted == gluon_trace.RECORD_SLOTS
+    with pytest.raises(ValueError, match=f"down_trio: trace must be an int64 tensor of at least {wanted} values"):
+        mg.down_trio(xg, xs, table, table, blocks, pairs, torch.ones(rows), 1, 2, 256, -1,
+                     trace=torch.zeros(wanted, dtype=torch.int32))
 
 
 @pytest.mark.gpu
-def test_gpu_traced_gate_up_computes_the_same_h_and_a_record_per_program():
-    """On an sm_90 GPU: the TRACE build of the 192-row gate/up writes the same h and scales bit for bit
-    as the plain one (the timers only read clocks), and every program a record whose times are in
-    order, whose work field holds its K steps, and whose shares of the SM time add up to ~1 (the SM
-    clock is converted per program, so not exactly)."""
+def test_gpu_traced_kernels_compute_the_same_outputs_and_a_record_per_program():
+    """On an sm_90 GPU: the TRACE builds of the 192-row gate/up and down write the same h, scales and y
+    bit for bit as the plain ones (the timers only read clocks), and every program a record whose
+    times are in order, whose work field holds its K steps, and whose shares of the SM time add up
+    to ~1 (the SM clock is converted per program, so not exactly)."""
     from minimax_backend.kernels import moe_gluon as mg
     from minimax_backend.kernels.moe import block_op_args
     from minimax_backend.kernels.options import override_kernel_options
@@ -124,23 +140,25 @@ def test_gpu_traced_gate_up_computes_the_same_h_and_a_record_per_program():
     cfg, blk = build_block("tiny-m3", 0, 1, True, device)
     x = torch.randn(999, cfg.hidden_size, device=device).to(torch.bfloat16)
     with override_kernel_options(moe_gemm="gluon192"):
-        kw = tg.capture_gate_up(lambda: torch.ops.minimax.mega_moe(x, *block_op_args(blk), "", 1, False, False,
-                                                                     999, "allgather"))
-    buf = torch.zeros(mg.trio_trace_slots(kw["num_m"], kw["n"]), dtype=torch.int64, device=device)
-    h, hs = mg.gate_up_act_trio(**kw)
-    h_traced, hs_traced = mg.gate_up_act_trio(**kw, trace=buf)
-    live_rows = kw["sorted_pair"][: h.shape[0]] >= 0
-    assert torch.equal(h[live_rows].view(torch.uint8), h_traced[live_rows].view(torch.uint8))
-    assert torch.equal(hs[live_rows], hs_traced[live_rows])
-    rec = buf.view(-1, gluon_trace.RECORD_SLOTS).cpu()
+        launches = tg.capture_launches(lambda: torch.ops.minimax.mega_moe(x, *block_op_args(blk), "", 1, False, False,
+                                                                          999, "allgather"))
     S = gluon_trace.SLOT
-    live = (rec[:, S["work"]] & 1).bool()
-    assert live.any()
-    assert (rec[:, S["end_ns"]] > rec[:, S["entry_ns"]]).all()
-    for a, b in (("entry_cycle", "first_ready_cycle"), ("first_ready_cycle", "last_product_cycle"),
-                 ("last_product_cycle", "end_cycle"), ("producer_entry_cycle", "last_issue_cycle")):
-        assert (rec[live, S[b]] >= rec[live, S[a]]).all(), (a, b)
-    assert ((rec[live, S["work"]] >> 3) == kw["xg"].shape[1] // 128).all()
-    s = tg.summarize(rec)
-    assert sum(s["share"].values()) == pytest.approx(1.0, abs=0.05)
-    assert 0.5 < s["sm_ghz"] < 2.5
+    for name, kw in launches.items():
+        slots, passes, steps = tg._trace_setup(name, kw)
+        buf = torch.zeros(slots, dtype=torch.int64, device=device)
+        plain, traced = tg._launch(name, kw), tg._launch(name, kw, buf)
+        live_rows = kw["sorted_pair"] >= 0  # padding rows hold no meaningful value
+        for a, b in zip(plain if isinstance(plain, tuple) else (plain,), traced if isinstance(traced, tuple) else (traced,)):
+            rows = live_rows[: a.shape[0]]
+            assert torch.equal(a[rows].view(torch.uint8), b[rows].view(torch.uint8)), name
+        rec = buf.view(-1, gluon_trace.RECORD_SLOTS).cpu()
+        live = (rec[:, S["work"]] & 1).bool()
+        assert live.any(), name
+        assert (rec[:, S["end_ns"]] > rec[:, S["entry_ns"]]).all(), name
+        for a, b in (("entry_cycle", "first_ready_cycle"), ("first_ready_cycle", "last_product_cycle"),
+                     ("last_product_cycle", "end_cycle"), ("producer_entry_cycle", "last_issue_cycle")):
+            assert (rec[live, S[b]] >= rec[live, S[a]]).all(), (name, a, b)
+        assert ((rec[live, S["work"]] >> 3) == steps).all(), name
+        s = tg.summarize(rec, passes)
+        assert sum(s["share"].values()) == pytest.approx(1.0, abs=0.05), (name, s["share"])
+        assert 0.5 < s["sm_ghz"] < 2.5, name
