@@ -17,6 +17,7 @@ from __future__ import annotations
 try:  # Gluon ships with triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover
@@ -80,3 +81,10 @@ if HAVE_GLUON:
         """The SM this program runs on."""
         return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True,
                                          pack=1).to(gl.int64)
+
+    @gluon.jit
+    def timed_wait(bar, phase, waited):
+        """mbarrier.wait(bar, phase); `waited` plus the cycles it took."""
+        c0 = clock32()
+        mbarrier.wait(bar, phase)
+        return waited + (clock32() - c0)

@@ -168,9 +168,7 @@ if HAVE_GLUON:
             sa = gl.load(a_scales + ki)
             sb = gl.load(b_scales + ki)
             if TRACE:
-                c0 = trace.clock32()
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                waited += trace.clock32() - c0
+                waited = trace.timed_wait(ready.index(s), (it // STAGES) & 1, waited)
             else:
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             p = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
@@ -353,9 +351,7 @@ if HAVE_GLUON:
             for ki in range(n_steps):
                 it = j * n_steps + ki
                 if TRACE:  # the wait below, timed; the one inside _trio_rows_into_stage then passes at once
-                    c0 = trace.clock32()
-                    mbarrier.wait(empty.index(it % STAGES), ((it // STAGES) & 1) ^ 1)
-                    waited += trace.clock32() - c0
+                    waited = trace.timed_wait(empty.index(it % STAGES), ((it // STAGES) & 1) ^ 1, waited)
                 s = _trio_rows_into_stage(a_desc, a0_smem, a1_smem, a2_smem, ready, empty, it, off_m,
                                           ki * BK, second, third, weight_bytes, LIVE_ROWS, STAGES)
                 bar = ready.index(s)
@@ -382,9 +378,7 @@ if HAVE_GLUON:
             s_gate = (sa * gl.load(sg_ptr + ki))[:, None]
             s_up = (sa * gl.load(su_ptr + ki))[:, None]
             if TRACE:
-                c0 = trace.clock32()
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                waited += trace.clock32() - c0
+                waited = trace.timed_wait(ready.index(s), (it // STAGES) & 1, waited)
             else:
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             p = warpgroup_mma(a_smem.index(s), b_smem.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
@@ -543,9 +537,7 @@ if HAVE_GLUON:
             for ki in range(n_steps):
                 it = j * n_steps + ki
                 if TRACE:  # the wait below, timed; the one inside _trio_rows_into_stage then passes at once
-                    c0 = trace.clock32()
-                    mbarrier.wait(empty.index(it % STAGES), ((it // STAGES) & 1) ^ 1)
-                    waited += trace.clock32() - c0
+                    waited = trace.timed_wait(empty.index(it % STAGES), ((it // STAGES) & 1) ^ 1, waited)
                 s = _trio_rows_into_stage(h_desc, a0_smem, a1_smem, a2_smem, ready, empty, it, off_m,
                                           ki * BK, second, third, w_desc.block_type.nbytes, LIVE_ROWS, STAGES)
                 _tma_load(w_desc, [off_n + 128 * j, ki * BK], ready.index(s), b_smem.index(s))
