@@ -203,6 +203,10 @@ def main(argv=None) -> None:
         for row in trace_tokens(w_args, cfg.hidden_size, tokens, args.repeats, device):
             row["weights_over_copy"] = row["weights_gbs"] / copy
             rows.append(row)
+            shares = ", ".join(f"{k} {v:.3f}" for k, v in row["share"].items())
+            print(f"  {row['kernel']}: {row['plain_us']:.0f} us ({row['traced_us']:.0f} traced); {shares}; "
+                  f"ready wait {row['consumer_ready_wait']:.3f}, empty wait {row['producer_empty_wait']:.3f}",
+                  flush=True)
     table = [{"kernel": r["kernel"], "tokens": r["tokens"], "plain_us": r["plain_us"], "traced_us": r["traced_us"],
               "programs_per_sm": r["programs_per_sm"], "program_us": r["program_us_median"],
               **{k: r["share"][k] for k in ("head", "between", "tail", "fill", "k_loop", "epilogue", "idle_blocks")},
