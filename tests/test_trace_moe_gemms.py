@@ -58,7 +58,7 @@ def test_summary_splits_every_sm_nanosecond_once():
     spans = GHZ * (2 * 8500 + 2 * 7500 + 3 * 12800)
     assert s["consumer_ready_wait"] == pytest.approx(waits / spans)
     assert s["producer_empty_wait"] == pytest.approx(3000 / (GHZ * (9500 + 8500 + 13800)))
-    assert s["k_loop_weight_gbs"] == pytest.approx(288 * 128 * 128 / 28800 * 2)
+    assert s["k_loop_weight_tiles_gbs"] == pytest.approx(288 * 128 * 128 / 28800 * 2)
 
 
 def test_summary_refuses_records_it_cannot_read():
@@ -76,7 +76,7 @@ def test_summary_counts_the_passes_each_program_makes_over_k():
     """The down's programs walk K once per column tile: three passes count 3/2 the gate/up's steps."""
     two, three = tg.summarize(_timeline(), 2), tg.summarize(_timeline(), 3)
     assert three["us_per_k_step"] == pytest.approx(two["us_per_k_step"] * 2 / 3)
-    assert three["k_loop_weight_gbs"] == pytest.approx(two["k_loop_weight_gbs"] * 3 / 2)
+    assert three["k_loop_weight_tiles_gbs"] == pytest.approx(two["k_loop_weight_tiles_gbs"] * 3 / 2)
     assert three["share"] == two["share"]
 
 

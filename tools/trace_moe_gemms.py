@@ -19,8 +19,10 @@ shares of the kernel's SM time (SMs used x the kernel's span):
     idle blocks           programs whose block holds no rows
 
 and for the K loops: us per K step, how much of them the live consumer groups spent waiting for
-loaded stages (loads behind) and the producer spent waiting for free stages (products behind),
-and the weights' rate over the K loops. The traced kernel's time beside the plain one's says what
+loaded stages (loads behind) and the producer spent waiting for free stages (products behind).
+The weight tiles' rate into the SMs (each program loads its own; blocks of one expert share them
+through the L2, so this is not the HBM rate) over the plain kernel's time and over the K loops,
+both as a fraction of the same run's copy bandwidth. The traced kernel's time beside the plain one's says what
 the timers cost. The layer takes the 192-row kernels from 128 rows per expert (4096 tokens at EP 1,
 kernel option moe_gemm=auto); MINIMAX_MOE_GEMM=gluon192 forces them at fewer.
 """
@@ -101,8 +103,8 @@ def summarize(records: torch.Tensor, passes: int) -> dict:
         "us_per_k_step": ns(sum(loop_cycles)) / max(sum(steps), 1) / 1e3,
         "consumer_ready_wait": ready_wait / ready_span if ready_span else 0.0,
         "producer_empty_wait": sum(r["empty_wait"][i] for i in live) / producer_span if producer_span else 0.0,
-        # weights over the K loops of all SMs at once: each SM streams one program's tiles at a time
-        "k_loop_weight_gbs": sum(steps) * WEIGHT_BYTES_PER_STEP / ns(sum(loop_cycles)) * len(by_sm)
+        # weight tiles over the K loops of all SMs at once: each SM streams one program's tiles at a time
+        "k_loop_weight_tiles_gbs": sum(steps) * WEIGHT_BYTES_PER_STEP / ns(sum(loop_cycles)) * len(by_sm)
         if loop_cycles else 0.0,
     }
 
@@ -168,10 +170,10 @@ def trace_tokens(w_args, hidden: int, tokens: int, repeats: int, device: torch.d
         plain_ms = median_ms(lambda: _launch(name, kw), 3, repeats)
         traced_ms = median_ms(lambda: _launch(name, kw, buf), 3, repeats)
         summary = summarize(buf.view(-1, gluon_trace.RECORD_SLOTS).cpu(), passes)
-        # every live program streams its passes' weight tiles once
-        weights = summary["live_programs"] * passes * steps * WEIGHT_BYTES_PER_STEP
+        # every live program loads its passes' weight tiles once
+        tiles = summary["live_programs"] * passes * steps * WEIGHT_BYTES_PER_STEP
         rows.append({"kernel": name, "tokens": tokens, "blocks": kw["num_m"], "plain_us": plain_ms * 1e3,
-                     "traced_us": traced_ms * 1e3, "weights_gbs": weights / (plain_ms * 1e-3) / 1e9, **summary})
+                     "traced_us": traced_ms * 1e3, "weight_tiles_gbs": tiles / (plain_ms * 1e-3) / 1e9, **summary})
     return rows
 
 
@@ -201,7 +203,7 @@ def main(argv=None) -> None:
     for tokens in args.tokens:
         print(f"tracing the gate/up and down at {tokens} tokens ...", flush=True)
         for row in trace_tokens(w_args, cfg.hidden_size, tokens, args.repeats, device):
-            row["weights_over_copy"] = row["weights_gbs"] / copy
+            row["weight_tiles_over_copy"] = row["weight_tiles_gbs"] / copy
             rows.append(row)
             shares = ", ".join(f"{k} {v:.3f}" for k, v in row["share"].items())
             print(f"  {row['kernel']}: {row['plain_us']:.0f} us ({row['traced_us']:.0f} traced); {shares}; "
@@ -211,8 +213,8 @@ def main(argv=None) -> None:
               "programs_per_sm": r["programs_per_sm"], "program_us": r["program_us_median"],
               **{k: r["share"][k] for k in ("head", "between", "tail", "fill", "k_loop", "epilogue", "idle_blocks")},
               "us_per_step": r["us_per_k_step"], "ready_wait": r["consumer_ready_wait"],
-              "empty_wait": r["producer_empty_wait"], "weights/copy": r["weights_over_copy"],
-              "k_loop_weights/copy": r["k_loop_weight_gbs"] / copy} for r in rows]
+              "empty_wait": r["producer_empty_wait"], "tiles/copy": r["weight_tiles_over_copy"],
+              "k_loop_tiles/copy": r["k_loop_weight_tiles_gbs"] / copy} for r in rows]
     print_table(table, list(table[0]), f"192-row FP8 expert GEMMs, shares of SM time (copy {copy:.0f} GB/s)")
     if args.json:
         write_json(args.json, {"benchmark": "trace_moe_gemms", "preset": args.preset,
