@@ -58,6 +58,8 @@ def test_summary_splits_every_sm_nanosecond_once():
     spans = GHZ * (2 * 8500 + 2 * 7500 + 3 * 12800)
     assert s["consumer_ready_wait"] == pytest.approx(waits / spans)
     assert s["producer_empty_wait"] == pytest.approx(3000 / (GHZ * (9500 + 8500 + 13800)))
+    # 7 live groups of 2 x 48 products, 256 tensor-core cycles each, over the K loops' cycles
+    assert s["tensor_core_busy"] == pytest.approx(7 * 96 * 256 / (GHZ * 28800))
     assert s["k_loop_weight_tiles_gbs"] == pytest.approx(288 * 128 * 128 / 28800 * 2)
 
 

@@ -19,7 +19,8 @@ shares of the kernel's SM time (SMs used x the kernel's span):
     idle blocks           programs whose block holds no rows
 
 and for the K loops: us per K step, how much of them the live consumer groups spent waiting for
-loaded stages (loads behind) and the producer spent waiting for free stages (products behind).
+loaded stages (loads behind) and the producer spent waiting for free stages (products behind),
+and how much of them the live groups' products take at the tensor cores' dense rate.
 The weight tiles' rate into the SMs (each program loads its own; blocks of one expert share them
 through the L2, so this is not the HBM rate) over the plain kernel's time and over the K loops,
 both as a fraction of the same run's copy bandwidth. The traced kernel's time beside the plain one's says what
@@ -38,6 +39,9 @@ import torch
 from minimax_backend.kernels import gluon_trace
 
 WEIGHT_BYTES_PER_STEP = 128 * 128  # one stacked [128, 128] FP8 weight tile per K step
+# one live group's product of a K step, a [64, 128] x 128 FP8 wgmma: 256 cycles of an SM's tensor
+# cores at Hopper's 8192 dense FP8 FLOP a cycle
+PRODUCT_CYCLES = 2 * 64 * 128 * 128 // 8192
 
 
 def summarize(records: torch.Tensor, passes: int) -> dict:
@@ -102,6 +106,8 @@ def summarize(records: torch.Tensor, passes: int) -> dict:
         if live else 0.0,
         "us_per_k_step": ns(sum(loop_cycles)) / max(sum(steps), 1) / 1e3,
         "consumer_ready_wait": ready_wait / ready_span if ready_span else 0.0,
+        "tensor_core_busy": sum(passes * (r["work"][i] >> 3) for i, _ in groups) * PRODUCT_CYCLES / sum(loop_cycles)
+        if loop_cycles and sum(loop_cycles) else 0.0,
         "producer_empty_wait": sum(r["empty_wait"][i] for i in live) / producer_span if producer_span else 0.0,
         # weight tiles over the K loops of all SMs at once: each SM streams one program's tiles at a time
         "k_loop_weight_tiles_gbs": sum(steps) * WEIGHT_BYTES_PER_STEP / ns(sum(loop_cycles)) * len(by_sm)
@@ -213,7 +219,7 @@ def main(argv=None) -> None:
               "programs_per_sm": r["programs_per_sm"], "program_us": r["program_us_median"],
               **{k: r["share"][k] for k in ("head", "between", "tail", "fill", "k_loop", "epilogue", "idle_blocks")},
               "us_per_step": r["us_per_k_step"], "ready_wait": r["consumer_ready_wait"],
-              "empty_wait": r["producer_empty_wait"], "tiles/copy": r["weight_tiles_over_copy"],
+              "empty_wait": r["producer_empty_wait"], "tensor_busy": r["tensor_core_busy"], "tiles/copy": r["weight_tiles_over_copy"],
               "k_loop_tiles/copy": r["k_loop_weight_tiles_gbs"] / copy} for r in rows]
     print_table(table, list(table[0]), f"192-row FP8 expert GEMMs, shares of SM time (copy {copy:.0f} GB/s)")
     if args.json:
