@@ -88,3 +88,12 @@ if HAVE_GLUON:
         c0 = clock32()
         mbarrier.wait(bar, phase)
         return waited + (clock32() - c0)
+
+    @gluon.jit
+    def first_stage(bar, rec, GROUP: gl.constexpr):
+        """A consumer group's wait for the ring's first stage (bar: its ready barrier, phase 0), timed
+        alone: group 0 records when it landed. The zero the group's wait counter starts from."""
+        mbarrier.wait(bar, 0)
+        if GROUP == 0:
+            gl.store(rec + FIRST_READY_CYCLE, clock())
+        return clock32() * 0

@@ -435,11 +435,8 @@ if HAVE_GLUON:
             sg_ptr = ws + (off_n // 128) * (K // 128)
             su_ptr = ws + ((N + off_n) // 128) * (K // 128)
             waited = 0
-            if TRACE:  # the first stage's wait, timed alone: when the ring's first loads landed
-                mbarrier.wait(ready.index(0), 0)
-                if GROUP == 0:
-                    gl.store(rec + trace.FIRST_READY_CYCLE, trace.clock())
-                waited = trace.clock32() * 0
+            if TRACE:  # when the ring's first loads landed
+                waited = trace.first_stage(ready.index(0), rec, GROUP)
             acc, waited = _trio_half(a_smem, b_smem, ready, empty, a_scales, sg_ptr, su_ptr, n_steps, 0, STAGES, layout,
                                      TRACE, waited)
             h0 = _trio_act_in_registers(acc, alpha, limit, beta, ACT, half)
@@ -567,11 +564,8 @@ if HAVE_GLUON:
             valid = pair >= 0
             wt = gl.load(topk_w + gl.where(valid, pair, 0), mask=valid, other=0.0)
             waited = 0
-            if TRACE:  # the first stage's wait, timed alone: when the ring's first loads landed
-                mbarrier.wait(ready.index(0), 0)
-                if GROUP == 0:
-                    gl.store(rec + trace.FIRST_READY_CYCLE, trace.clock())
-                waited = trace.clock32() * 0
+            if TRACE:  # when the ring's first loads landed
+                waited = trace.first_stage(ready.index(0), rec, GROUP)
             for j in range(COL_TILES):
                 col0 = off_n + 128 * j
                 if FP8:
