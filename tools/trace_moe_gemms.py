@@ -81,11 +81,12 @@ def summarize(records: torch.Tensor, passes: int) -> dict:
         tail += end - max(r["end_ns"][i] for i in progs)
         between += sum(max(r["entry_ns"][b] - r["end_ns"][a], 0) for a, b in zip(progs, progs[1:]))
     sm_time = len(by_sm) * span
-    steps = [passes * (r["work"][i] >> 3) for i in live]
-    loop_cycles = [r["last_product_cycle"][i] - r["first_ready_cycle"][i] for i in live]
+    steps = {i: passes * (r["work"][i] >> 3) for i in live}
+    loop_cycles = {i: r["last_product_cycle"][i] - r["first_ready_cycle"][i] for i in live}
+    all_steps, all_loop_cycles = sum(steps.values()), sum(loop_cycles.values())
     groups = [(i, g) for i in live for g in range(3) if r["work"][i] >> g & 1]
     ready_wait = sum(r[f"ready_wait_{g}"][i] for i, g in groups)
-    ready_span = sum(loop_cycles[live.index(i)] for i, _ in groups)
+    ready_span = sum(loop_cycles[i] for i, _ in groups)
     producer_span = sum(r["last_issue_cycle"][i] - r["producer_entry_cycle"][i] for i in live)
     return {
         "programs": programs,
@@ -104,14 +105,14 @@ def summarize(records: torch.Tensor, passes: int) -> dict:
         if live else 0.0,
         "epilogue_us_median": statistics.median(ns(r["end_cycle"][i] - r["last_product_cycle"][i]) for i in live) / 1e3
         if live else 0.0,
-        "us_per_k_step": ns(sum(loop_cycles)) / max(sum(steps), 1) / 1e3,
+        "us_per_k_step": ns(all_loop_cycles) / max(all_steps, 1) / 1e3,
         "consumer_ready_wait": ready_wait / ready_span if ready_span else 0.0,
-        "tensor_core_busy": sum(passes * (r["work"][i] >> 3) for i, _ in groups) * PRODUCT_CYCLES / sum(loop_cycles)
-        if loop_cycles and sum(loop_cycles) else 0.0,
+        "tensor_core_busy": sum(steps[i] for i, _ in groups) * PRODUCT_CYCLES / all_loop_cycles
+        if all_loop_cycles else 0.0,
         "producer_empty_wait": sum(r["empty_wait"][i] for i in live) / producer_span if producer_span else 0.0,
         # weight tiles over the K loops of all SMs at once: each SM streams one program's tiles at a time
-        "k_loop_weight_tiles_gbs": sum(steps) * WEIGHT_BYTES_PER_STEP / ns(sum(loop_cycles)) * len(by_sm)
-        if loop_cycles else 0.0,
+        "k_loop_weight_tiles_gbs": all_steps * WEIGHT_BYTES_PER_STEP / ns(all_loop_cycles) * len(by_sm)
+        if all_loop_cycles else 0.0,
     }
 
 
