@@ -6,6 +6,8 @@
 * Importing minimax_backend.kernels registers the `minimax::` custom ops once.
 * Under TRITON_INTERPRET=1, older Triton interpreters get the NumPy 2 fix of
   tests/interpreted.py (fix_old_interpreter_index).
+* Once collected, the interpreter children of the kernel test files start in the
+  background (tests/interpreted.py, start_children).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import minimax_backend.kernels  # noqa: E402,F401  (registers minimax:: ops)
-from interpreted import INTERPRETING, fix_old_interpreter_index  # noqa: E402
+from interpreted import INTERPRETING, fix_old_interpreter_index, start_children, stop_children  # noqa: E402
 
 if INTERPRETING:
     fix_old_interpreter_index()
@@ -33,6 +35,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "multigpu" in item.keywords and n_gpu < 2:
             item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
+
+
+def pytest_collection_finish(session):
+    if not session.config.option.collectonly:
+        start_children(session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    stop_children()
 
 
 # ------------------------------------------------------------- tiny configs

@@ -44,7 +44,7 @@ def interp():
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the child")
 def test_in_interpreter_child():
-    run_this_file_interpreted(__file__, "-m", "not gpu")
+    run_this_file_interpreted(__file__)
 
 
 def _separate(logits, cb, k, norm, shared_id, offset, n_local, bm):

@@ -125,7 +125,7 @@ def _switched(switch: str):
 
 @pytest.mark.skipif(INTERPRETING, reason="this is the child")
 def test_in_interpreter_child():
-    run_this_file_interpreted(__file__, "-m", "not gpu")
+    run_this_file_interpreted(__file__)
 
 
 # -------------------------------------------------------- align_by_expert
