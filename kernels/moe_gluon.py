@@ -43,6 +43,9 @@ The BF16 layer takes the same 192-row blocks (its rows put in the sorted order b
 moe_quant_scatter.scatter_rows): the gate/up (_gate_up_trio_bf16_kernel) and the down
 (_down_trio_kernel with FP8 off) have the FP8 kernels' structure with K steps of 64 and no scale
 between steps, so each warp group sums in the wgmma accumulator and keeps one product in flight.
+Under kernel option moe_bf16_passes=1 the BF16 gate/up takes a program's 128 columns of h in one
+pass (gate and up products side by side from 256-row weight tiles), loading each activation tile
+once instead of twice (docs/kernel-notes.md#the-bf16-gateup-in-one-pass; not yet timed).
 
 Routed and shared experts of one width. The FP8 output equals the Triton kernels' bit for bit (the
 same float32 products summed in the same order: tests/test_moe_triton.py); BF16 is checked against
@@ -275,13 +278,14 @@ if HAVE_GLUON:
         return rec
 
     @gluon.jit
-    def _trio_stage_tiles(STAGES: gl.constexpr, layout: gl.constexpr, DTYPE: gl.constexpr, BK: gl.constexpr):
-        """The stage ring's tiles: each stage's three 64-row activation tiles and one 128-row weight
-        tile, BK wide (128 bytes: FP8 128, BF16 64)."""
+    def _trio_stage_tiles(STAGES: gl.constexpr, layout: gl.constexpr, DTYPE: gl.constexpr, BK: gl.constexpr,
+                          B_ROWS: gl.constexpr = 128):
+        """The stage ring's tiles: each stage's three 64-row activation tiles and one weight tile of
+        B_ROWS rows, BK wide (128 bytes: FP8 128, BF16 64)."""
         a0 = gl.allocate_shared_memory(DTYPE, [STAGES, 64, BK], layout)
         a1 = gl.allocate_shared_memory(DTYPE, [STAGES, 64, BK], layout)
         a2 = gl.allocate_shared_memory(DTYPE, [STAGES, 64, BK], layout)
-        b = gl.allocate_shared_memory(DTYPE, [STAGES, 128, BK], layout)
+        b = gl.allocate_shared_memory(DTYPE, [STAGES, B_ROWS, BK], layout)
         return a0, a1, a2, b
 
     @gluon.jit
@@ -338,16 +342,18 @@ if HAVE_GLUON:
     @gluon.jit
     def _trio_producer(a_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
                        second, third, N: gl.constexpr, STAGES: gl.constexpr, BK: gl.constexpr,
-                       LIVE_ROWS: gl.constexpr, TRACE: gl.constexpr = False, rec=None):
-        """The producer warp, for each half of the program's 128 columns of h and each K step: the
-        three 64-row activation tiles and one [128, BK] weight tile, the 64 gate rows of those
-        columns over their 64 up rows (two TMA loads into its halves). TRACE: how long it waited for
-        free stages, into the program's record rec (kernels/gluon_trace.py)."""
+                       LIVE_ROWS: gl.constexpr, PASSES: gl.constexpr = 2, TRACE: gl.constexpr = False, rec=None):
+        """The producer warp, for each pass over the program's 128 columns of h (PASSES of 128 /
+        PASSES columns each) and each K step: the three 64-row activation tiles and one weight tile,
+        the gate rows of the pass's columns over their up rows (two TMA loads into its halves).
+        TRACE: how long it waited for free stages, into the program's record rec
+        (kernels/gluon_trace.py)."""
+        W_ROWS: gl.constexpr = 128 // PASSES  # gate (and up) rows of a pass
         weight_bytes: gl.constexpr = 2 * w_desc.block_type.nbytes
         if TRACE:
             gl.store(rec + trace.PRODUCER_ENTRY_CYCLE, trace.clock())
             waited = trace.clock32() * 0
-        for j in gl.static_range(2):
+        for j in gl.static_range(PASSES):
             for ki in range(n_steps):
                 it = j * n_steps + ki
                 if TRACE:  # the wait below, timed; the one inside _trio_rows_into_stage then passes at once
@@ -356,8 +362,8 @@ if HAVE_GLUON:
                                           ki * BK, second, third, weight_bytes, LIVE_ROWS, STAGES)
                 bar = ready.index(s)
                 b = b_smem.index(s)
-                _tma_load(w_desc, [off_n + 64 * j, ki * BK], bar, b.slice(0, 64))
-                _tma_load(w_desc, [N + off_n + 64 * j, ki * BK], bar, b.slice(64, 64))
+                _tma_load(w_desc, [off_n + W_ROWS * j, ki * BK], bar, b.slice(0, W_ROWS))
+                _tma_load(w_desc, [N + off_n + W_ROWS * j, ki * BK], bar, b.slice(W_ROWS, W_ROWS))
         if TRACE:
             gl.store(rec + trace.LAST_ISSUE_CYCLE, trace.clock())
             gl.store(rec + trace.EMPTY_WAIT, waited.to(gl.int64))
@@ -513,7 +519,7 @@ if HAVE_GLUON:
             (_trio_consumer, (a2_smem, b_smem, ready, empty, xs_ptr, ws, out_desc, hs_ptr, park2, out2, off_m + 128,
                               off_n, pid_n, n_steps, third, N, K, alpha, limit, beta, ACT, STAGES, TRACE, rec, 2)),
             (_trio_producer, (a_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                              second, third, N, STAGES, BK, LIVE_ROWS, TRACE, rec)),
+                              second, third, N, STAGES, BK, LIVE_ROWS, 2, TRACE, rec)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -667,32 +673,69 @@ if HAVE_GLUON:
         return acc
 
     @gluon.jit
+    def _bf16_gate_up_products(a_smem, b_smem, ready, empty, n_steps, STAGES: gl.constexpr, layout: gl.constexpr):
+        """This warp group's gate and up tiles, [64, 128] each, over the K steps from one activation tile
+        and a 256-row weight tile a stage (gate rows over up rows): two products a step, both summed in
+        their wgmma accumulators, one step's pair kept in flight as in _bf16_product. (One 256-wide
+        product would read the activation tile once, but needs more registers at once than Triton 3.6
+        lets ptxas give one instruction here.)"""
+        g = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+        u = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+        for ki in range(n_steps):
+            s = ki % STAGES
+            mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
+            b = b_smem.index(s)
+            g = warpgroup_mma(a_smem.index(s), b.slice(0, 128).permute((1, 0)), g, is_async=True)
+            u = warpgroup_mma(a_smem.index(s), b.slice(128, 128).permute((1, 0)), u, is_async=True)
+            g, u = warpgroup_mma_wait(2, deps=(g, u))
+            if ki > 0:
+                mbarrier.arrive(empty.index((ki - 1) % STAGES), count=1)
+        g, u = warpgroup_mma_wait(0, deps=(g, u))
+        if n_steps > 0:
+            mbarrier.arrive(empty.index((n_steps - 1) % STAGES), count=1)
+        return g, u
+
+    @gluon.jit
     def _trio_bf16_consumer(a_smem, b_smem, ready, empty, h_ptr, off_m, off_n, n_steps, live,
-                            N: gl.constexpr, alpha, limit, beta, ACT: gl.constexpr, STAGES: gl.constexpr):
-        """One warp group's 64 rows of the program's [192, 128] tile of h in BF16, in two halves of 64
-        columns: each half's gate and up products, the activation, h stored in bf16. A group whose rows
-        are all padding only releases the stages."""
+                            N: gl.constexpr, alpha, limit, beta, ACT: gl.constexpr, STAGES: gl.constexpr,
+                            PASSES: gl.constexpr = 2):
+        """One warp group's 64 rows of the program's [192, 128] tile of h in BF16: in two passes of 64
+        columns (PASSES 2), each pass's gate and up products as one [64, 128] tile, or in one pass
+        (PASSES 1) with the gate and up products of all 128 columns side by side; the activation, h
+        stored in bf16. A group whose rows are all padding only releases the stages."""
         layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16])
         half: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         if live:
-            out_rows = (off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, half))).to(gl.int64)
-            half_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, half))
-            for j in gl.static_range(2):
-                acc = _bf16_product(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout)
-                h = _trio_act_in_registers(acc, alpha, limit, beta, ACT, half)
-                cols = off_n + 64 * j + half_cols
-                gl.store(h_ptr + out_rows[:, None] * N + cols[None, :], h.to(gl.bfloat16))
+            if PASSES == 1:
+                g, u = _bf16_gate_up_products(a_smem, b_smem, ready, empty, n_steps, STAGES, layout)
+                # rounded to bf16 first, as the eager MLP rounds the gate/up GEMM
+                h = _gated_act(g.to(gl.bfloat16).to(gl.float32), u.to(gl.bfloat16).to(gl.float32), alpha, limit,
+                               beta, ACT)
+                # 32-bit offsets from the tile's corner: 64-bit addresses of 64 values a thread spill
+                tile = h_ptr + off_m.to(gl.int64) * N + off_n
+                rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+                cols = gl.arange(0, 128, layout=gl.SliceLayout(0, layout))
+                gl.store(tile + (rows[:, None] * N + cols[None, :]), h.to(gl.bfloat16))
+            else:
+                out_rows = (off_m + gl.arange(0, 64, layout=gl.SliceLayout(1, half))).to(gl.int64)
+                half_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, half))
+                for j in gl.static_range(2):
+                    acc = _bf16_product(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout)
+                    h = _trio_act_in_registers(acc, alpha, limit, beta, ACT, half)
+                    cols = off_n + 64 * j + half_cols
+                    gl.store(h_ptr + out_rows[:, None] * N + cols[None, :], h.to(gl.bfloat16))
         else:
-            _release_stages(ready, empty, 2 * n_steps, STAGES)
+            _release_stages(ready, empty, PASSES * n_steps, STAGES)
 
     @gluon.jit
     def _gate_up_trio_bf16_kernel(x_ptr, w_table, block_expert, sorted_pair, h_ptr, rows_total, n_local,
                                   num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr, K: gl.constexpr,
                                   ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                                  LIVE_ROWS: gl.constexpr = False):
+                                  LIVE_ROWS: gl.constexpr = False, PASSES: gl.constexpr = 2):
         """gate_up + act of one [192, 128] tile of h in BF16: the FP8 kernel's structure (three 64-row
-        warp groups on one stacked weight tile, 64 columns of h at a time) with K steps of 64."""
+        warp groups on one stacked weight tile) with K steps of 64, 64 columns of h at a time (PASSES
+        2) or all 128 at once (PASSES 1: 256-row weight tiles, each activation tile loaded once)."""
         BK: gl.constexpr = 64
         pid_n, off_m, n_steps, active, second, third, w, ws = _trio_block(
             block_expert, sorted_pair, w_table, w_table, n_local, num_m_blocks, num_n_tiles, K, GROUP_M, BK,
@@ -700,20 +743,20 @@ if HAVE_GLUON:
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         a_desc = tma.make_tensor_descriptor(x_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
-        w_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[64, BK],
+        w_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[128 // PASSES, BK],
                                             layout=smem_layout)
-        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, gl.bfloat16, BK)
+        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, gl.bfloat16, BK, 256 // PASSES)
         ready, empty = _trio_barriers(STAGES)
         off_n = pid_n * 128
         gl.warp_specialize([
             (_trio_bf16_consumer, (a0_smem, b_smem, ready, empty, h_ptr, off_m, off_n, n_steps, active, N,
-                                   alpha, limit, beta, ACT, STAGES)),
+                                   alpha, limit, beta, ACT, STAGES, PASSES)),
             (_trio_bf16_consumer, (a1_smem, b_smem, ready, empty, h_ptr, off_m + 64, off_n, n_steps, second, N,
-                                   alpha, limit, beta, ACT, STAGES)),
+                                   alpha, limit, beta, ACT, STAGES, PASSES)),
             (_trio_bf16_consumer, (a2_smem, b_smem, ready, empty, h_ptr, off_m + 128, off_n, n_steps, third, N,
-                                   alpha, limit, beta, ACT, STAGES)),
+                                   alpha, limit, beta, ACT, STAGES, PASSES)),
             (_trio_producer, (a_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
-                              second, third, N, STAGES, BK, LIVE_ROWS)),
+                              second, third, N, STAGES, BK, LIVE_ROWS, PASSES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -760,6 +803,11 @@ TRIO_BLOCK_M = 192
 TRIO_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 168, "PRODUCER_REGS": 24}
 # BF16: the same 40 KB stages (K steps of 64), no parked half.
 TRIO_BF16_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 168, "PRODUCER_REGS": 24}
+# BF16 in one pass (kernel option moe_bf16_passes=1): 56 KB stages (a 256-row weight tile), 224 KB in
+# four. Two [64, 128] accumulators and a step's two products in flight need 160 registers or more in
+# every consumer group; at 168 for the workers the first group (the default partition) keeps 152 and
+# ptxas serializes its products, at 160 it keeps 168 (compiled for sm_90 under Triton 3.6).
+TRIO_BF16_ONE_PASS_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24}
 
 
 def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor, ws_table: torch.Tensor,
@@ -788,9 +836,10 @@ def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor,
     if trace is not None:
         _check_trace(trace, trio_trace_slots(num_m, n), xg, "gate_up_act_trio")
     if xg.dtype == torch.bfloat16:
+        passes, config = bf16_passes_and_config()
         _gate_up_trio_bf16_kernel[(num_m * n_tiles,)](
             xg, w_table, block_expert, sorted_pair, h, rows, n_local, num_m, n_tiles, alpha, limit, beta, N=n, K=k,
-            ACT=act, GROUP_M=group_m, num_warps=4, LIVE_ROWS=live_rows, **TRIO_BF16_CONFIG)
+            ACT=act, GROUP_M=group_m, num_warps=4, LIVE_ROWS=live_rows, PASSES=passes, **config)
         return h, xsg  # no scales in BF16
     hs = torch.empty(rows, n // 128, dtype=torch.float32, device=xg.device)
     _gate_up_trio_kernel[(num_m * n_tiles,)](
@@ -804,6 +853,13 @@ def trio_trace_slots(num_m: int, n: int) -> int:
     """The int64 values a traced 192-row gate/up over num_m blocks and n columns of h writes: one
     record per program (kernels/gluon_trace.py)."""
     return num_m * (n // 128) * trace.RECORD_SLOTS
+
+
+def bf16_passes_and_config() -> tuple[int, dict]:
+    """The BF16 192-row gate/up's passes over K and its config (kernel option moe_bf16_passes)."""
+    if kernel_options().moe_bf16_passes == "1":
+        return 1, TRIO_BF16_ONE_PASS_CONFIG
+    return 2, TRIO_BF16_CONFIG
 
 
 def _live_rows_only() -> bool:

@@ -1358,8 +1358,11 @@ def test_gpu_bf16_gluon_kernels_against_cpu_reference_and_triton(tokens, monkeyp
             out[kernels] = kt.grouped_gated_mlp(x, *common, shared=shared)
     with override_kernel_options(moe_gemm="gluon192", moe_trio_rows="live"):  # idle groups' rows not loaded
         out["live_rows"] = kt.grouped_gated_mlp(x, *common, shared=shared)
+    with override_kernel_options(moe_gemm="gluon192", moe_bf16_passes="1"):  # gate and up side by side, one pass
+        out["one_pass"] = kt.grouped_gated_mlp(x, *common, shared=shared)
     assert torch.equal(out["gluon192"], out["triton"]), (out["gluon192"] - out["triton"]).abs().max()
     assert torch.equal(out["live_rows"], out["triton"]), (out["live_rows"] - out["triton"]).abs().max()
+    assert torch.equal(out["one_pass"], out["triton"]), (out["one_pass"] - out["triton"]).abs().max()
 
 
 @pytest.mark.gpu

@@ -114,6 +114,14 @@ def test_trio_rows_only_with_the_192_row_kernels():
     assert trio_rows_for("gluon", ["all", "live"]) == trio_rows_for("triton", ["live"]) == ["all"]
 
 
+def test_bf16_passes_only_with_the_bf16_192_row_gate_up():
+    from minimax_backend.tools.tune_moe import bf16_passes_for
+
+    assert bf16_passes_for("gluon192", False, ["2", "1"]) == ["2", "1"]
+    assert bf16_passes_for("gluon192", True, ["2", "1"]) == ["2"]  # FP8 has no one-pass form
+    assert bf16_passes_for("triton", False, ["1"]) == ["2"]
+
+
 def test_half_blocks_only_where_a_triton_gemm_runs():
     from minimax_backend.tools.tune_moe import half_blocks_for
 
