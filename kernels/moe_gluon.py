@@ -44,8 +44,9 @@ moe_quant_scatter.scatter_rows): the gate/up (_gate_up_trio_bf16_kernel) and the
 (_down_trio_kernel with FP8 off) have the FP8 kernels' structure with K steps of 64 and no scale
 between steps, so each warp group sums in the wgmma accumulator and keeps one product in flight.
 Under kernel option moe_bf16_passes=1 the BF16 gate/up takes a program's 128 columns of h in one
-pass (gate and up products side by side from 256-row weight tiles), loading each activation tile
-once instead of twice (docs/kernel-notes.md#the-bf16-gateup-in-one-pass; not yet timed).
+pass (gate and up products side by side from 256-row weight tiles) and the down two column tiles a
+pass, loading each activation tile half as often (docs/kernel-notes.md#the-bf16-gateup-in-one-pass;
+not yet timed).
 
 Routed and shared experts of one width. The FP8 output equals the Triton kernels' bit for bit (the
 same float32 products summed in the same order: tests/test_moe_triton.py); BF16 is checked against
@@ -528,22 +529,31 @@ if HAVE_GLUON:
     @gluon.jit
     def _down_trio_producer(h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n, n_steps,
                             second, third, STAGES: gl.constexpr, COL_TILES: gl.constexpr, BK: gl.constexpr,
-                            LIVE_ROWS: gl.constexpr, TRACE: gl.constexpr = False, rec=None):
-        """The producer warp: for each of the program's column tiles and each K step, the three 64-row
-        tiles of h and the [128, BK] weight tile. It runs on into the next column tile while the
-        consumers store the last one, so only the program's first tile waits for the ring to fill.
-        TRACE: how long it waited for free stages, into the program's record rec."""
+                            LIVE_ROWS: gl.constexpr, TRACE: gl.constexpr = False, rec=None,
+                            PAIRS: gl.constexpr = False):
+        """The producer warp: for each of the program's column tiles (PAIRS: each two) and each K step,
+        the three 64-row tiles of h and the [128, BK] weight tile (PAIRS: both tiles', one over the
+        other). It runs on into the next column tile while the consumers store the last one, so only
+        the program's first tile waits for the ring to fill. TRACE: how long it waited for free
+        stages, into the program's record rec."""
+        TILES: gl.constexpr = 2 if PAIRS else 1
         if TRACE:
             gl.store(rec + trace.PRODUCER_ENTRY_CYCLE, trace.clock())
             waited = trace.clock32() * 0
-        for j in range(COL_TILES):
+        for j in range(COL_TILES // TILES):
             for ki in range(n_steps):
                 it = j * n_steps + ki
                 if TRACE:  # the wait below, timed; the one inside _trio_rows_into_stage then passes at once
                     waited = trace.timed_wait(empty.index(it % STAGES), ((it // STAGES) & 1) ^ 1, waited)
                 s = _trio_rows_into_stage(h_desc, a0_smem, a1_smem, a2_smem, ready, empty, it, off_m,
-                                          ki * BK, second, third, w_desc.block_type.nbytes, LIVE_ROWS, STAGES)
-                _tma_load(w_desc, [off_n + 128 * j, ki * BK], ready.index(s), b_smem.index(s))
+                                          ki * BK, second, third, TILES * w_desc.block_type.nbytes, LIVE_ROWS,
+                                          STAGES)
+                if PAIRS:
+                    _tma_load(w_desc, [off_n + 256 * j, ki * BK], ready.index(s), b_smem.index(s).slice(0, 128))
+                    _tma_load(w_desc, [off_n + 256 * j + 128, ki * BK], ready.index(s),
+                              b_smem.index(s).slice(128, 128))
+                else:
+                    _tma_load(w_desc, [off_n + 128 * j, ki * BK], ready.index(s), b_smem.index(s))
         if TRACE:
             gl.store(rec + trace.LAST_ISSUE_CYCLE, trace.clock())
             gl.store(rec + trace.EMPTY_WAIT, waited.to(gl.int64))
@@ -551,13 +561,16 @@ if HAVE_GLUON:
     @gluon.jit
     def _down_trio_consumer(a_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_desc, y_smem, off_m,
                             off_n, n_steps, live, K: gl.constexpr, STAGES: gl.constexpr, COL_TILES: gl.constexpr,
-                            FP8: gl.constexpr, TRACE: gl.constexpr = False, rec=None, GROUP: gl.constexpr = 0):
+                            FP8: gl.constexpr, TRACE: gl.constexpr = False, rec=None, GROUP: gl.constexpr = 0,
+                            PAIRS: gl.constexpr = False):
         """One warp group's [64, 128] tiles of y, one per column tile: in FP8 the products scaled per K
-        step as the Triton down kernel does, in BF16 summed on the tensor cores; rounded to bf16, times
-        the pair's routing weight (0 on padding rows, which nothing reads), rounded again, and stored
-        from y_smem by TMA while the next tile's products run. A group whose rows are all padding only
-        releases the stages. TRACE (FP8): its waits for loaded stages into the program's record rec, and
-        group 0 (GROUP) the program's edges."""
+        step as the Triton down kernel does, in BF16 summed on the tensor cores (PAIRS: two column
+        tiles a pass over K); rounded to bf16, times the pair's routing weight (0 on padding rows,
+        which nothing reads), rounded again, and stored from y_smem by TMA while the next tile's
+        products run. A group whose rows are all padding only releases the stages. TRACE (FP8): its
+        waits for loaded stages into the program's record rec, and group 0 (GROUP) the program's
+        edges."""
+        gl.static_assert(not (PAIRS and FP8), "FP8 has no paired form (its scaling needs the registers)")
         if FP8:
             layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, 128, 32])
@@ -572,42 +585,57 @@ if HAVE_GLUON:
             waited = 0
             if TRACE:  # when the ring's first loads landed
                 waited = trace.first_stage(ready.index(0), rec, GROUP)
-            for j in range(COL_TILES):
-                col0 = off_n + 128 * j
-                if FP8:
-                    acc, waited = _ws_product(a_smem, b_smem, ready, empty, hs_ptr + rows.to(gl.int64) * (K // 128),
-                                              ws + (col0 // 128) * (K // 128), n_steps, j * n_steps, STAGES, layout,
-                                              TRACE, waited)
-                else:
-                    acc = _bf16_product(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout)
-                if TRACE:
-                    if j == COL_TILES - 1:
-                        if GROUP == 0:
-                            gl.store(rec + trace.LAST_PRODUCT_CYCLE, trace.clock())
-                        gl.store(rec + trace.READY_WAIT_0 + GROUP, waited.to(gl.int64))
-                y = acc.to(gl.bfloat16).to(gl.float32) * wt[:, None]
-                tma.store_wait(0)  # the last tile has left y_smem
-                _group_barrier()
-                _tile_out_by_tma(y_desc, off_m, col0, y_smem, y.to(gl.bfloat16))
+            if PAIRS:  # BF16, two column tiles a pass
+                for j in range(COL_TILES // 2):
+                    t0, t1 = _bf16_two_products(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout)
+                    _down_tile_out(y_desc, y_smem, off_m, off_n + 256 * j, t0, wt)
+                    _down_tile_out(y_desc, y_smem, off_m, off_n + 256 * j + 128, t1, wt)
+            else:
+                for j in range(COL_TILES):
+                    col0 = off_n + 128 * j
+                    if FP8:
+                        a_scales = hs_ptr + rows.to(gl.int64) * (K // 128)
+                        b_scales = ws + (col0 // 128) * (K // 128)
+                        acc, waited = _ws_product(a_smem, b_smem, ready, empty, a_scales, b_scales, n_steps,
+                                                  j * n_steps, STAGES, layout, TRACE, waited)
+                    else:
+                        acc = _bf16_product(a_smem, b_smem, ready, empty, n_steps, j * n_steps, STAGES, layout)
+                    if TRACE:
+                        if j == COL_TILES - 1:
+                            if GROUP == 0:
+                                gl.store(rec + trace.LAST_PRODUCT_CYCLE, trace.clock())
+                            gl.store(rec + trace.READY_WAIT_0 + GROUP, waited.to(gl.int64))
+                    _down_tile_out(y_desc, y_smem, off_m, col0, acc, wt)
             tma.store_wait(0)
         else:
-            _release_stages(ready, empty, COL_TILES * n_steps, STAGES)
+            _release_stages(ready, empty, (COL_TILES // 2 if PAIRS else COL_TILES) * n_steps, STAGES)
         if TRACE:
             if GROUP == 0:
                 gl.store(rec + trace.END_CYCLE, trace.clock())
                 gl.store(rec + trace.END_NS, trace.global_ns())
 
     @gluon.jit
+    def _down_tile_out(y_desc, y_smem, off_m, col0, acc, wt):
+        """A [64, 128] tile of y: the sum rounded to bf16, times the rows' routing weights, rounded again,
+        out by TMA from y_smem once the tile before it has left."""
+        y = acc.to(gl.bfloat16).to(gl.float32) * wt[:, None]
+        tma.store_wait(0)  # the last tile has left y_smem
+        _group_barrier()
+        _tile_out_by_tma(y_desc, off_m, col0, y_smem, y.to(gl.bfloat16))
+
+    @gluon.jit
     def _down_trio_kernel(h_ptr, hs_ptr, w_table, ws_table, block_expert, sorted_pair, topk_w, y_ptr, trace_ptr,
                           rows_total, n_local, num_m_blocks, num_n_tiles, N_OUT: gl.constexpr, K: gl.constexpr,
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, COL_TILES: gl.constexpr = 1,
-                          FP8: gl.constexpr = True, LIVE_ROWS: gl.constexpr = False, TRACE: gl.constexpr = False):
+                          FP8: gl.constexpr = True, LIVE_ROWS: gl.constexpr = False, TRACE: gl.constexpr = False,
+                          PAIRS: gl.constexpr = False):
         """y of one [192, 128 * COL_TILES] tile (num_n_tiles counts those): warp groups 0, 1, 2 rows
         0-63, 64-127, 128-191 of the block, all from the same 128-row tiles of the expert's down
-        weight, one 128-column tile after the other. FP8 (h with its 1 x 128 scales, block-scaled
-        weights) or BF16 (hs_ptr and ws_table unused). TRACE (FP8): each program's record of where its
-        time went into trace_ptr (kernels/gluon_trace.py; unread otherwise)."""
+        weight, one 128-column tile after the other (PAIRS, BF16 only: two at a time, from 256-row
+        weight tiles, so each tile of h is loaded half as often). FP8 (h with its 1 x 128 scales,
+        block-scaled weights) or BF16 (hs_ptr and ws_table unused). TRACE (FP8): each program's record
+        of where its time went into trace_ptr (kernels/gluon_trace.py; unread otherwise)."""
         if TRACE:
             entry_ns = trace.global_ns()
             entry_cycle = trace.clock()
@@ -628,7 +656,7 @@ if HAVE_GLUON:
                                             layout=smem_layout)
         w_desc = tma.make_tensor_descriptor(w, shape=[N_OUT, K], strides=[K, 1], block_shape=[128, BK],
                                             layout=smem_layout)
-        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, DTYPE, BK)
+        a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, DTYPE, BK, 256 if PAIRS else 128)
         # each group's bf16 [64, 128] tile of y on its way out by TMA
         y_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         y_desc = tma.make_tensor_descriptor(y_ptr, shape=[rows_total, N_OUT], strides=[N_OUT, 1], block_shape=[64, 128],
@@ -640,13 +668,15 @@ if HAVE_GLUON:
         off_n = pid_n * 128 * COL_TILES
         gl.warp_specialize([
             (_down_trio_consumer, (a0_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_desc, y0, off_m,
-                                   off_n, n_steps, active, K, STAGES, COL_TILES, FP8, TRACE, rec, 0)),
+                                   off_n, n_steps, active, K, STAGES, COL_TILES, FP8, TRACE, rec, 0, PAIRS)),
             (_down_trio_consumer, (a1_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_desc, y1,
-                                   off_m + 64, off_n, n_steps, second, K, STAGES, COL_TILES, FP8, TRACE, rec, 1)),
+                                   off_m + 64, off_n, n_steps, second, K, STAGES, COL_TILES, FP8, TRACE, rec, 1,
+                                   PAIRS)),
             (_down_trio_consumer, (a2_smem, b_smem, ready, empty, hs_ptr, ws, sorted_pair, topk_w, y_desc, y2,
-                                   off_m + 128, off_n, n_steps, third, K, STAGES, COL_TILES, FP8, TRACE, rec, 2)),
+                                   off_m + 128, off_n, n_steps, third, K, STAGES, COL_TILES, FP8, TRACE, rec, 2,
+                                   PAIRS)),
             (_down_trio_producer, (h_desc, w_desc, a0_smem, a1_smem, a2_smem, b_smem, ready, empty, off_m, off_n,
-                                   n_steps, second, third, STAGES, COL_TILES, BK, LIVE_ROWS, TRACE, rec)),
+                                   n_steps, second, third, STAGES, COL_TILES, BK, LIVE_ROWS, TRACE, rec, PAIRS)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -673,27 +703,29 @@ if HAVE_GLUON:
         return acc
 
     @gluon.jit
-    def _bf16_gate_up_products(a_smem, b_smem, ready, empty, n_steps, STAGES: gl.constexpr, layout: gl.constexpr):
-        """This warp group's gate and up tiles, [64, 128] each, over the K steps from one activation tile
-        and a 256-row weight tile a stage (gate rows over up rows): two products a step, both summed in
-        their wgmma accumulators, one step's pair kept in flight as in _bf16_product. (One 256-wide
+    def _bf16_two_products(a_smem, b_smem, ready, empty, n_steps, it0, STAGES: gl.constexpr, layout: gl.constexpr):
+        """This warp group's two [64, 128] tiles over the K steps from one activation tile and a 256-row
+        weight tile a stage (the first tile's rows over the second's: gate over up, or two column tiles
+        of the down): two products a step, both summed in their wgmma accumulators, one step's pair
+        kept in flight as in _bf16_product. it0: the ring's iteration of the first step. (One 256-wide
         product would read the activation tile once, but needs more registers at once than Triton 3.6
         lets ptxas give one instruction here.)"""
-        g = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
-        u = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+        t0 = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
+        t1 = gl.zeros((64, 128), dtype=gl.float32, layout=layout)
         for ki in range(n_steps):
-            s = ki % STAGES
-            mbarrier.wait(ready.index(s), (ki // STAGES) & 1)
+            it = it0 + ki
+            s = it % STAGES
+            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             b = b_smem.index(s)
-            g = warpgroup_mma(a_smem.index(s), b.slice(0, 128).permute((1, 0)), g, is_async=True)
-            u = warpgroup_mma(a_smem.index(s), b.slice(128, 128).permute((1, 0)), u, is_async=True)
-            g, u = warpgroup_mma_wait(2, deps=(g, u))
+            t0 = warpgroup_mma(a_smem.index(s), b.slice(0, 128).permute((1, 0)), t0, is_async=True)
+            t1 = warpgroup_mma(a_smem.index(s), b.slice(128, 128).permute((1, 0)), t1, is_async=True)
+            t0, t1 = warpgroup_mma_wait(2, deps=(t0, t1))
             if ki > 0:
-                mbarrier.arrive(empty.index((ki - 1) % STAGES), count=1)
-        g, u = warpgroup_mma_wait(0, deps=(g, u))
+                mbarrier.arrive(empty.index((it - 1) % STAGES), count=1)
+        t0, t1 = warpgroup_mma_wait(0, deps=(t0, t1))
         if n_steps > 0:
-            mbarrier.arrive(empty.index((n_steps - 1) % STAGES), count=1)
-        return g, u
+            mbarrier.arrive(empty.index((it0 + n_steps - 1) % STAGES), count=1)
+        return t0, t1
 
     @gluon.jit
     def _trio_bf16_consumer(a_smem, b_smem, ready, empty, h_ptr, off_m, off_n, n_steps, live,
@@ -707,7 +739,7 @@ if HAVE_GLUON:
         half: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         if live:
             if PASSES == 1:
-                g, u = _bf16_gate_up_products(a_smem, b_smem, ready, empty, n_steps, STAGES, layout)
+                g, u = _bf16_two_products(a_smem, b_smem, ready, empty, n_steps, 0, STAGES, layout)
                 # rounded to bf16 first, as the eager MLP rounds the gate/up GEMM
                 h = _gated_act(g.to(gl.bfloat16).to(gl.float32), u.to(gl.bfloat16).to(gl.float32), alpha, limit,
                                beta, ACT)
@@ -856,7 +888,8 @@ def trio_trace_slots(num_m: int, n: int) -> int:
 
 
 def bf16_passes_and_config() -> tuple[int, dict]:
-    """The BF16 192-row gate/up's passes over K and its config (kernel option moe_bf16_passes)."""
+    """The BF16 192-row gate/up's passes over K and its config (kernel option moe_bf16_passes; 1 also
+    gives the BF16 down two column tiles a pass where the output has an even number of them)."""
     if kernel_options().moe_bf16_passes == "1":
         return 1, TRIO_BF16_ONE_PASS_CONFIG
     return 2, TRIO_BF16_CONFIG
@@ -875,6 +908,11 @@ DOWN_TRIO_CONFIG = {"STAGES": 4, "CONSUMER_REGS": 168, "PRODUCER_REGS": 24}
 # only 24 steps at M3's width, so a program of one tile spent a large part of its time filling
 # the ring and storing; 3 measured best on one H200 (docs/kernel-notes.md#moe-down-column-tiles).
 DOWN_TRIO_COL_TILES = 3
+# BF16 down with two column tiles a pass (kernel option moe_bf16_passes=1): 56 KB stages (a 256-row
+# weight tile), three beside the groups' outgoing tiles of y (216 KB); registers as the one-pass
+# gate/up (TRIO_BF16_ONE_PASS_CONFIG); two pairs per program where the width allows.
+DOWN_TRIO_PAIRS_CONFIG = {"STAGES": 3, "CONSUMER_REGS": 160, "PRODUCER_REGS": 24}
+DOWN_TRIO_PAIR_COL_TILES = 4
 
 
 def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table: torch.Tensor,
@@ -896,13 +934,18 @@ def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table
     if trace is not None:
         _check_trace(trace, down_trace_slots(num_m, n_out), h, "down_trio")
     y = torch.empty(rows, n_out, dtype=torch.bfloat16, device=h.device)
-    col_tiles = col_tiles_per_program(n_out // 128, DOWN_TRIO_COL_TILES)
+    fp8 = h.dtype != torch.bfloat16
+    pairs = not fp8 and bf16_passes_and_config()[0] == 1 and n_out // 128 % 2 == 0
+    if pairs:
+        col_tiles = 2 * col_tiles_per_program(n_out // 256, DOWN_TRIO_PAIR_COL_TILES // 2)
+    else:
+        col_tiles = col_tiles_per_program(n_out // 128, DOWN_TRIO_COL_TILES)
     n_groups = n_out // 128 // col_tiles
     _down_trio_kernel[(num_m * n_groups,)](
         h, hs, w_table, ws_table, block_expert, sorted_pair, topk_w, y, hs if trace is None else trace, rows, n_local,
         num_m, n_groups, N_OUT=n_out, K=k, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4,
-        COL_TILES=col_tiles, FP8=h.dtype != torch.bfloat16, LIVE_ROWS=_live_rows_only(), TRACE=trace is not None,
-        **DOWN_TRIO_CONFIG)
+        COL_TILES=col_tiles, FP8=fp8, LIVE_ROWS=_live_rows_only(), TRACE=trace is not None, PAIRS=pairs,
+        **(DOWN_TRIO_PAIRS_CONFIG if pairs else DOWN_TRIO_CONFIG))
     return y
 
 

@@ -27,7 +27,7 @@ environment, so a launcher sets the variables before it starts them.
 | moe_gemm         | MINIMAX_MOE_GEMM         | auto    | auto, triton, gluon, gluon192    | the expert GEMMs at prefill sizes: auto = the warp-specialized Gluon FP8 gate/up of kernels/moe_gluon.py where the GPU runs it (sm_90), in its 192-row form from 128 rows per expert, else Triton (BF16: Triton); gluon = the 64-row FP8 kernel or an error (BF16: Triton); gluon192 = the 192-row form (three 64-row groups share each weight tile; in BF16 too, gate/up and down) or an error; triton = the Triton loops |
 | moe_down         | MINIMAX_MOE_DOWN         | auto    | auto, triton                     | the down GEMM: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py wherever the gate/up runs over 192-row blocks, else Triton; triton = the Triton kernel always (and a BF16 layer wholly on Triton) |
 | moe_trio_rows    | MINIMAX_MOE_TRIO_ROWS    | live    | live, all                        | the 192-row Gluon GEMMs' producer: live = only the 64-row tiles of groups that hold rows (an idle group's tile is padding nobody reads: 3-13% fewer bytes a stage at M3's prefill sizes); all = every 64-row tile of a block into each stage |
-| moe_bf16_passes  | MINIMAX_MOE_BF16_PASSES  | 2       | 2, 1                             | the BF16 192-row Gluon gate/up (moe_gemm=gluon192): 2 = two passes over a program's K steps, 64 columns of h each, the block's activation tiles loaded in both; 1 = one pass, a gate and an up product side by side from 256-row weight tiles, the activation tiles loaded once (unmeasured: off until timed) |
+| moe_bf16_passes  | MINIMAX_MOE_BF16_PASSES  | 2       | 2, 1                             | the BF16 192-row Gluon gate/up (moe_gemm=gluon192): 2 = two passes over a program's K steps, 64 columns of h each, the block's activation tiles loaded in both; 1 = one pass, a gate and an up product side by side from 256-row weight tiles, the activation tiles loaded once, and the BF16 Gluon down two column tiles a pass (unmeasured: off until timed) |
 | moe_half_blocks  | MINIMAX_MOE_HALF_BLOCKS  | auto    | auto, off, on                    | on: the Triton grouped GEMMs multiply only the first half of a block whose second half is padding (an expert's run ends in its last block: at M3's 4096 tokens BF16 at BLOCK_M 128 multiplies 38% more rows than the useful ones, 19% with halves); auto: on for BF16 at BLOCK_M 128 where the experts average at most a block of rows (M3 up to 4096 tokens), where it was measured faster |
 | moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~15-40 torch kernels instead of Triton (one program up to 512 token-expert pairs, chunks of pairs in two launches past them) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
@@ -93,7 +93,7 @@ docs/kernel-notes.md). Who runs them:
   H100 (docs/kernel-notes.md#idle-row-loads-skipped); all keeps every row load,
   tools/tune_moe.py --trio-rows all live times both forms;
 * moe_bf16_passes: 1 (2026-12-07, thirty-fourth session, compiled for sm_90 on the CPU only)
-  halves the activation bytes the BF16 192-row gate/up loads per FLOP
+  halves the activation bytes the BF16 192-row gate/up and down load per FLOP
   (docs/kernel-notes.md#the-bf16-gateup-in-one-pass); the GPU test of tests/test_moe_triton.py
   checks it against the Triton path bit for bit, tools/tune_moe.py --bf16-passes 2 1 times both;
   2 stays the default until it is measured;
@@ -189,7 +189,7 @@ class KernelOptions:
     moe_bf16_passes: str = _switch(
         "MINIMAX_MOE_BF16_PASSES", "2", "the BF16 192-row Gluon gate/up: 2 = two passes of 64 columns of h, the "
         "activation tiles loaded in both; 1 = one pass over all 128 columns from 256-row weight tiles, the "
-        "activation tiles loaded once", choices=("2", "1"))
+        "activation tiles loaded once, and the BF16 Gluon down two column tiles a pass", choices=("2", "1"))
     moe_half_blocks: str = _switch(
         "MINIMAX_MOE_HALF_BLOCKS", "auto", "on: the Triton grouped GEMMs multiply only the first half of a block "
         "whose second half is padding; auto: on for BF16 at BLOCK_M 128 where the experts average at most a block "

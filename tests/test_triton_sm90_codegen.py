@@ -479,29 +479,35 @@ def sass_of(kernel, tmp_path) -> str:
 
 
 @pytest.mark.parametrize("width", [3072, 256], ids=["m3", "tiny"])
-def test_moe_gluon_bf16_gate_up_in_one_pass_keeps_its_products_in_flight(width, tmp_path):
-    """moe_bf16_passes=1: the BF16 192-row gate/up takes all 128 columns of h in one pass, a gate and an
-    up product side by side from a 256-row weight tile, within the H200's shared memory and without
-    spills at its config; each consumer group keeps a step's two products in flight (ptxas waits for
-    all but two, three groups) rather than waiting after each (which it does when a group has too
-    few registers: at the two-pass kernel's 168 for the workers the first group keeps 152)."""
+def test_moe_gluon_bf16_in_one_pass_keeps_its_products_in_flight(width, tmp_path):
+    """moe_bf16_passes=1: the BF16 192-row gate/up takes all 128 columns of h in one pass (a gate and an
+    up product side by side from a 256-row weight tile) and the down two column tiles a pass, within
+    the H200's shared memory and without spills at their configs; each consumer group keeps a step's
+    two products in flight (ptxas waits for all but two, three groups) rather than waiting after each
+    (which it does when a group has too few registers: at 168 for the workers the first group keeps
+    152)."""
     from minimax_backend.kernels import moe_gluon as mg
 
     if not mg.HAVE_GLUON:
         pytest.skip(f"triton {triton.__version__} has no Gluon")
-    kernel = compiled_gluon_sm90(mg._gate_up_trio_bf16_kernel, GLUON_TRIO_BF16_SIG,
-                                 dict(N=width, K=2 * width, ACT=0, GROUP_M=-1, num_warps=4, LIVE_ROWS=True, PASSES=1,
-                                      **mg.TRIO_BF16_ONE_PASS_CONFIG), 4)
-    ptx = kernel.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and ".bf16.bf16" in ptx and "setmaxnreg" in ptx
-    assert kernel.metadata.shared <= H200_SHARED_BYTES
-    sass = sass_of(kernel, tmp_path)
-    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x2") == 3, "a group waits for each product"
-    spilled = local_memory_bytes(kernel, tmp_path)
-    if spilled and not triton.__version__.startswith("3.6"):
-        # found 2026-12-07: Triton 3.9 spills 8 B a thread of it; the GPU box's 3.6 none
-        pytest.xfail(f"triton {triton.__version__}: the one-pass BF16 gate/up spills {spilled} B a thread")
-    assert spilled == 0
+    gate_up = compiled_gluon_sm90(mg._gate_up_trio_bf16_kernel, GLUON_TRIO_BF16_SIG,
+                                  dict(N=width, K=2 * width, ACT=0, GROUP_M=-1, num_warps=4, LIVE_ROWS=True, PASSES=1,
+                                       **mg.TRIO_BF16_ONE_PASS_CONFIG), 4)
+    down = compiled_gluon_sm90(mg._down_trio_kernel, {**GLUON_DOWN_TRIO_SIG, "h_ptr": "*bf16"},
+                               dict(N_OUT=2 * width, K=width, GROUP_M=-1, num_warps=4, COL_TILES=4, FP8=False,
+                                    LIVE_ROWS=True, PAIRS=True, **mg.DOWN_TRIO_PAIRS_CONFIG), 4)
+    spilled = {}
+    for name, kernel in (("gate/up", gate_up), ("down", down)):
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and ".bf16.bf16" in ptx and "setmaxnreg" in ptx
+        assert kernel.metadata.shared <= H200_SHARED_BYTES
+        sass = sass_of(kernel, tmp_path)
+        assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x2") == 3, f"{name}: a group waits for each product"
+        spilled[name] = local_memory_bytes(kernel, tmp_path)
+    if any(spilled.values()) and not triton.__version__.startswith("3.6"):
+        # found 2026-12-07: Triton 3.9 spills 8 B a thread of the gate/up; the GPU box's 3.6 none
+        pytest.xfail(f"triton {triton.__version__}: the one-pass BF16 kernels spill {spilled} B a thread")
+    assert not any(spilled.values()), spilled
 
 
 def test_moe_gluon_192_row_kernels_with_live_rows_only(tmp_path):

@@ -198,7 +198,8 @@ def main(argv=None) -> None:
                         "live: only the 64-row tiles of groups that hold rows)")
     p.add_argument("--bf16-passes", nargs="+", choices=["2", "1"], default=["2"],
                    help="the BF16 192-row Gluon gate/up under --moe-gemm gluon192 (kernel option moe_bf16_passes; "
-                        "1: one pass over all 128 columns of h, the activation tiles loaded once)")
+                        "1: one pass over all 128 columns of h, the activation tiles loaded once, and the BF16 Gluon "
+                        "down two column tiles a pass)")
     p.add_argument("--half-blocks", nargs="+", choices=["auto", "off", "on"], default=["auto"],
                    help="the Triton grouped GEMMs' half-block copy (kernel option moe_half_blocks; on: a block whose "
                         "second half is padding multiplies only its first half; auto: the table's choice)")
