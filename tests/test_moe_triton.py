@@ -681,6 +681,56 @@ def test_bf16_gluon_path_only_under_gluon192():
             plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072)
 
 
+class _LaunchRecorder:
+    """Stands in for a Gluon kernel: records each launch's grid and keyword arguments."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, kwargs))
+
+
+def test_bf16_192_row_launchers_take_one_pass_only_under_moe_bf16_passes_1(monkeypatch):
+    """moe_bf16_passes=1 on the host (the kernels themselves are GPU tests): the BF16 gate/up runs in one
+    pass with its own registers, the BF16 down two column tiles a pass, four tiles a program (a grid
+    of 12 programs per block for 48 tiles instead of 16), never FP8 and never an odd number of column
+    tiles; the default keeps the two-pass forms."""
+    import minimax_backend.kernels.moe_gluon as mg
+
+    if not mg.HAVE_GLUON:
+        pytest.skip("triton without Gluon")
+    monkeypatch.setattr(mg, "_ensure_allocator", lambda: None)
+    gate_up, down = _LaunchRecorder(), _LaunchRecorder()
+    monkeypatch.setattr(mg, "_gate_up_trio_bf16_kernel", gate_up)
+    monkeypatch.setattr(mg, "_down_trio_kernel", down)
+    num_m, i32 = 2, torch.int32
+    blocks, pairs = torch.zeros(2 * num_m, dtype=i32), torch.zeros(num_m * mg.TRIO_BLOCK_M, dtype=i32)
+    table, topk_w = torch.zeros(4, dtype=torch.int64), torch.ones(8)
+
+    def run_down(dtype, n_out):
+        h = torch.zeros(num_m * mg.TRIO_BLOCK_M, 256, dtype=dtype)
+        mg.down_trio(h, torch.ones(h.shape[0], 2), table, table, blocks, pairs, topk_w, num_m, 4, n_out, -1)
+        grid, kw = down.launches.pop()
+        return grid[0], kw["COL_TILES"], kw["PAIRS"], kw["STAGES"], kw["CONSUMER_REGS"]
+
+    def run_gate_up():
+        x = torch.zeros(num_m * mg.TRIO_BLOCK_M, 512, dtype=torch.bfloat16)
+        mg.gate_up_act_trio(x, x, table, table, blocks, pairs, num_m, 4, 256, 0, 1.0, 7.0, 1.0, -1)
+        grid, kw = gate_up.launches.pop()
+        return grid[0], kw["PASSES"], kw["STAGES"], kw["CONSUMER_REGS"]
+
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    assert run_gate_up() == (num_m * 2, 2, 4, 168)
+    assert run_down(bf16, 6144) == (num_m * 16, 3, False, 4, 168)
+    with override_kernel_options(moe_bf16_passes="1"):
+        assert run_gate_up() == (num_m * 2, 1, 4, 160)
+        assert run_down(bf16, 6144) == (num_m * 12, 4, True, 3, 160)
+        assert run_down(bf16, 256) == (num_m * 1, 2, True, 3, 160)
+        assert run_down(bf16, 384) == (num_m * 1, 3, False, 4, 168)  # three tiles: no pairs
+        assert run_down(fp8, 6144) == (num_m * 16, 3, False, 4, 168)  # FP8 has no paired form
+
+
 def test_auto_takes_the_192_row_gluon_gate_up_from_128_rows_per_expert():
     """moe_gemm=auto picks the 192-row form by the average rows per local expert (one H100, 2026-12-06:
     faster at 159 and 238 rows per expert, even at 119, slower at 79: docs/kernel-notes.md); gluon
