@@ -6,8 +6,9 @@
 * Importing minimax_backend.kernels registers the `minimax::` custom ops once.
 * Under TRITON_INTERPRET=1, older Triton interpreters get the NumPy 2 fix of
   tests/interpreted.py (fix_old_interpreter_index).
-* Once collected, the interpreter children of the kernel test files start in the
-  background (tests/interpreted.py, start_children).
+* Once collected, the tests' background commands start (tests/background.py): the
+  interpreter children of the kernel test files (tests/interpreted.py) and the tools'
+  dry runs that register one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import minimax_backend.kernels  # noqa: E402,F401  (registers minimax:: ops)
-from interpreted import INTERPRETING, fix_old_interpreter_index, start_children, stop_children  # noqa: E402
+import background  # noqa: E402
+from interpreted import CHILD_TEST, INTERPRETING, fix_old_interpreter_index, register_child  # noqa: E402
 
 if INTERPRETING:
     fix_old_interpreter_index()
@@ -38,12 +40,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    if not session.config.option.collectonly:
-        start_children(session.items)
+    if INTERPRETING or session.config.option.collectonly:
+        return
+    for item in session.items:
+        if item.name == CHILD_TEST:
+            register_child(item.path)
+    background.start(session.items)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    stop_children()
+    background.stop()
 
 
 # ------------------------------------------------------------- tiny configs
@@ -101,13 +107,18 @@ def fake_tp2():
     dist.destroy_process_group()
 
 
-@pytest.fixture
-def fake_nvidia_smi(tmp_path, monkeypatch):
-    """An `nvidia-smi` first on PATH (tools/gpu_power.py tests): prints a sample every 20 ms
-    (1500 MHz, 690.5 W) until stopped, and records its arguments."""
-    script = tmp_path / "nvidia-smi"
+def write_fake_nvidia_smi(folder) -> None:
+    """An `nvidia-smi` script in `folder` (put it first on PATH): prints a sample every 20 ms
+    (1500 MHz, 690.5 W) until stopped, and records its arguments in folder/args."""
+    script = folder / "nvidia-smi"
     script.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\n'
                       'while true; do date "+%Y/%m/%d %H:%M:%S.%3N, 1500, 690.5"; sleep 0.02; done\n')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.fixture
+def fake_nvidia_smi(tmp_path, monkeypatch):
+    """An `nvidia-smi` first on PATH (tools/gpu_power.py tests), see write_fake_nvidia_smi."""
+    write_fake_nvidia_smi(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     return tmp_path

@@ -11,18 +11,21 @@ import sys
 
 import pytest
 
+import background
+
 pytest.importorskip("triton")
+
+background.register(__file__, "test_bench_dry_run", lambda out: (
+    [sys.executable, "-m", "minimax_backend.tools.bench_fp8_decode_gemm", "--dry-run", "--rows", "1", "3", "--sweep",
+     "--sweep-rows", "1", "--json", str(out / "fp8_decode_gemm.json")],
+    {**os.environ, "TRITON_INTERPRET": "1"}))
 
 
 @pytest.mark.slow
-def test_bench_dry_run(tmp_path):
-    out = tmp_path / "fp8_decode_gemm.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "minimax_backend.tools.bench_fp8_decode_gemm", "--dry-run", "--rows", "1", "3",
-           "--sweep", "--sweep-rows", "1", "--json", str(out)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout[-4000:] + r.stderr[-4000:])
-    data = json.loads(out.read_text())
+def test_bench_dry_run():
+    r = background.result(__file__, "test_bench_dry_run")  # started ahead, in the background
+    assert r.returncode == 0, r.tail()
+    data = json.loads((r.out / "fp8_decode_gemm.json").read_text())
     rows = data["rows"]
     assert [(r["gemm"], r["rows"]) for r in rows[:2]] == [("qkv", 1), ("qkv", 3)]
     assert {r["gemm"] for r in rows} == {"qkv", "o_proj", "dense_gate_up", "dense_down"}

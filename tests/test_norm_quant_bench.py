@@ -8,22 +8,24 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+import background
+
 pytest.importorskip("triton")
+
+background.register(__file__, "test_bench_dry_run", lambda out: (
+    [sys.executable, "-m", "minimax_backend.tools.bench_norm_quant", "--dry-run", "--json", str(out / "bench.json")],
+    {**os.environ, "TRITON_INTERPRET": "1"}))
 
 
 @pytest.mark.slow
-def test_bench_dry_run(tmp_path):
-    out = tmp_path / "bench.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "minimax_backend.tools.bench_norm_quant", "--dry-run", "--json", str(out)]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout[-4000:] + r.stderr[-4000:])
-    data = json.loads(out.read_text())
+def test_bench_dry_run():
+    r = background.result(__file__, "test_bench_dry_run")  # started ahead, in the background
+    assert r.returncode == 0, r.tail()
+    data = json.loads((r.out / "bench.json").read_text())
     assert {"kernel", "gemm", "allgather", "copy_bandwidth_GBs", "hardware"} <= set(data)
     k = data["kernel"][0]
     assert k["scales_equal"] and k["residual_equal"] and k["other_layout_scales_equal"]

@@ -4,22 +4,38 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+import background
+from conftest import write_fake_nvidia_smi
 
-def test_tune_moe_smoke_in_the_interpreter(tmp_path):
+SMOKE_ARGS = ("--device", "cpu", "--preset", "tiny-m3", "--tokens", "5", "--precisions", "bf16", "fp8", "--calls", "1",
+              "--configs", "16,128,64,4,2", "16,128,128,4,2", "--gate-up", "two_dots", "one_dot", "--group-m", "0", "2")
+background.register(__file__, "test_tune_moe_smoke_in_the_interpreter", lambda out: (
+    [sys.executable, "-m", "minimax_backend.tools.tune_moe", *SMOKE_ARGS, "--json", str(out / "tune.json")],
+    {**os.environ, "TRITON_INTERPRET": "1"}))
+
+SUSTAINED_ARGS = ("--device", "cpu", "--preset", "tiny-m3", "--tokens", "5", "--precisions", "bf16", "--calls", "1",
+                  "--configs", "32,128,64,4,2", "--expert-groups", "2", "--half-blocks", "off", "on", "--sustained", "0.3")
+
+
+def _sustained_command(out):
+    # a fake nvidia-smi first on PATH (conftest.write_fake_nvidia_smi): 1500 MHz and 690.5 W
+    write_fake_nvidia_smi(out)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PATH": f"{out}{os.pathsep}{os.environ['PATH']}"}
+    return [sys.executable, "-m", "minimax_backend.tools.tune_moe", *SUSTAINED_ARGS, "--json", str(out / "tune.json")], env
+
+
+background.register(__file__, "test_tune_moe_sustained_columns_and_expert_groups", _sustained_command)
+
+
+def test_tune_moe_smoke_in_the_interpreter():
     pytest.importorskip("triton", reason="the kernels need triton")
-    out = tmp_path / "tune.json"
-    cmd = [sys.executable, "-m", "minimax_backend.tools.tune_moe", "--device", "cpu", "--preset", "tiny-m3",
-           "--tokens", "5", "--precisions", "bf16", "fp8", "--calls", "1",
-           "--configs", "16,128,64,4,2", "16,128,128,4,2", "--gate-up", "two_dots", "one_dot", "--group-m", "0", "2",
-           "--json", str(out)]
-    r = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    r = background.result(__file__, "test_tune_moe_smoke_in_the_interpreter")  # started ahead, in the background
+    assert r.returncode == 0, r.tail()
+    rows = json.loads((r.out / "tune.json").read_text())["rows"]
     # every config with each product and each tile order
     assert ({(row["gate_up"], row["group_m"]) for row in rows}
             == {(g, m) for g in ("two_dots", "one_dot") for m in (0, 2)})
@@ -65,19 +81,15 @@ def test_tune_moe_refuses_gluon_on_cpu():
         tune_moe.main(["--device", "cpu", "--preset", "tiny-m3", "--tokens", "3", "--moe-gemm", "triton", "gluon"])
 
 
-def test_tune_moe_sustained_columns_and_expert_groups(tmp_path, fake_nvidia_smi):
+def test_tune_moe_sustained_columns_and_expert_groups():
     """--sustained: every config also timed back to back, with the clock and power read beside it
     (a CPU smoke run: the nvidia-smi on PATH is the test's script, 1500 MHz and 690.5 W); with
     --expert-groups the groups by expert are run beside the table's order; --half-blocks off on runs
     each with and without the half-block copy (BLOCK_M 32: the tiny model's blocks are half idle)."""
     pytest.importorskip("triton", reason="the kernels need triton")
-    out = tmp_path / "tune.json"
-    cmd = [sys.executable, "-m", "minimax_backend.tools.tune_moe", "--device", "cpu", "--preset", "tiny-m3",
-           "--tokens", "5", "--precisions", "bf16", "--calls", "1", "--configs", "32,128,64,4,2",
-           "--expert-groups", "2", "--half-blocks", "off", "on", "--sustained", "0.3", "--json", str(out)]
-    r = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    r = background.result(__file__, "test_tune_moe_sustained_columns_and_expert_groups")  # started ahead
+    assert r.returncode == 0, r.tail()
+    rows = json.loads((r.out / "tune.json").read_text())["rows"]
     # --expert-groups: the table's order (decode size: rows fastest) and the groups by expert
     assert [(row["half_blocks"], row["group_m"]) for row in rows] == [
         ("off", 0), ("off", "expert:2"), ("on", 0), ("on", "expert:2")]
