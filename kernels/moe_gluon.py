@@ -887,12 +887,15 @@ def trio_trace_slots(num_m: int, n: int) -> int:
     return num_m * (n // 128) * trace.RECORD_SLOTS
 
 
+def _bf16_in_one_pass() -> bool:
+    """Kernel option moe_bf16_passes=1: the BF16 192-row gate/up in one pass over K, and the BF16 down
+    two column tiles a pass where the output has an even number of them."""
+    return kernel_options().moe_bf16_passes == "1"
+
+
 def bf16_passes_and_config() -> tuple[int, dict]:
-    """The BF16 192-row gate/up's passes over K and its config (kernel option moe_bf16_passes; 1 also
-    gives the BF16 down two column tiles a pass where the output has an even number of them)."""
-    if kernel_options().moe_bf16_passes == "1":
-        return 1, TRIO_BF16_ONE_PASS_CONFIG
-    return 2, TRIO_BF16_CONFIG
+    """The BF16 192-row gate/up's passes over K and its config."""
+    return (1, TRIO_BF16_ONE_PASS_CONFIG) if _bf16_in_one_pass() else (2, TRIO_BF16_CONFIG)
 
 
 def _live_rows_only() -> bool:
@@ -935,7 +938,7 @@ def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table
         _check_trace(trace, down_trace_slots(num_m, n_out), h, "down_trio")
     y = torch.empty(rows, n_out, dtype=torch.bfloat16, device=h.device)
     fp8 = h.dtype != torch.bfloat16
-    pairs = not fp8 and bf16_passes_and_config()[0] == 1 and n_out // 128 % 2 == 0
+    pairs = not fp8 and _bf16_in_one_pass() and n_out // 128 % 2 == 0
     if pairs:
         col_tiles = 2 * col_tiles_per_program(n_out // 256, DOWN_TRIO_PAIR_COL_TILES // 2)
     else:

@@ -220,8 +220,9 @@ def main(argv=None) -> None:
               "programs_per_sm": r["programs_per_sm"], "program_us": r["program_us_median"],
               **{k: r["share"][k] for k in ("head", "between", "tail", "fill", "k_loop", "epilogue", "idle_blocks")},
               "us_per_step": r["us_per_k_step"], "ready_wait": r["consumer_ready_wait"],
-              "empty_wait": r["producer_empty_wait"], "tensor_busy": r["tensor_core_busy"], "tiles/copy": r["weight_tiles_over_copy"],
-              "k_loop_tiles/copy": r["k_loop_weight_tiles_gbs"] / copy} for r in rows]
+              "empty_wait": r["producer_empty_wait"], "tensor_busy": r["tensor_core_busy"],
+              "tiles/copy": r["weight_tiles_over_copy"], "k_loop_tiles/copy": r["k_loop_weight_tiles_gbs"] / copy}
+             for r in rows]
     print_table(table, list(table[0]), f"192-row FP8 expert GEMMs, shares of SM time (copy {copy:.0f} GB/s)")
     if args.json:
         write_json(args.json, {"benchmark": "trace_moe_gemms", "preset": args.preset,

@@ -259,8 +259,7 @@ def main(argv=None) -> None:
                                           _orders(args), args.sustained, power)
                         for r in found:  # tagged in place: the sampler's windows hold these same dicts
                             r.update(precision=precision, moe_gemm=gemm, trio_rows=trio_rows, half_blocks=halves,
-                                 bf16_passes=passes,
-                                     moe_down="gluon192" if down == "auto" else down)
+                                     bf16_passes=passes, moe_down="gluon192" if down == "auto" else down)
                         rows += found
             del blk
     ok = [r for r in rows if "error" not in r]
