@@ -72,6 +72,7 @@ try:  # Gluon ships with triton >= 3.5; CPU installs and older triton use the Tr
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     # and the warp group's own barrier thread_barrier, 3.9 barrier
     _group_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover
     HAVE_GLUON = False
@@ -474,15 +475,16 @@ if HAVE_GLUON:
                 gl.store(rec + trace.END_NS, trace.global_ns())
 
     @gluon.jit
-    def _gate_up_trio_kernel(x_ptr, xs_ptr, w_table, ws_table, block_expert, sorted_pair, h_ptr, hs_ptr, trace_ptr,
-                              rows_total, n_local, num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr,
+    def _gate_up_trio_kernel(a_desc, xs_ptr, w_table, ws_table, block_expert, sorted_pair, out_desc, hs_ptr, trace_ptr,
+                              n_local, num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr,
                               K: gl.constexpr, ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
                               LIVE_ROWS: gl.constexpr = False, TRACE: gl.constexpr = False):
         """gate_up + act of one [192, 128] tile of h: warp groups 0, 1, 2 rows 0-63, 64-127, 128-191,
-        all from the same [128, 128] weight tiles (gate over up, 64 columns of h at a time). TRACE: each
-        program's record of where its time went into trace_ptr (kernels/gluon_trace.py; unread
-        otherwise)."""
+        all from the same [128, 128] weight tiles (gate over up, 64 columns of h at a time). a_desc /
+        out_desc: the host's TMA descriptors of x and h ([64, 128] blocks); the expert's weights' is made
+        here. TRACE: each program's record of where its time went into trace_ptr
+        (kernels/gluon_trace.py; unread otherwise)."""
         BK: gl.constexpr = 128
         if TRACE:
             entry_ns = trace.global_ns()
@@ -494,8 +496,6 @@ if HAVE_GLUON:
         if TRACE:
             rec = _trace_entry(trace_ptr, entry_ns, entry_cycle, n_steps, active, second, third)
         smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        a_desc = tma.make_tensor_descriptor(x_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
-                                            layout=smem_layout)
         w_desc = tma.make_tensor_descriptor(w, shape=[2 * N, K], strides=[K, 1], block_shape=[64, BK],
                                             layout=smem_layout)
         a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, gl.float8e4nv, BK)
@@ -505,8 +505,6 @@ if HAVE_GLUON:
         park0 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], park_layout)
         park1 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], park_layout)
         park2 = gl.allocate_shared_memory(gl.bfloat16, [64, 64], park_layout)
-        out_desc = tma.make_tensor_descriptor(h_ptr, shape=[rows_total, N], strides=[N, 1], block_shape=[64, 128],
-                                              layout=smem_layout)
         out0 = gl.allocate_shared_memory(gl.float8e4nv, [64, 128], smem_layout)
         out1 = gl.allocate_shared_memory(gl.float8e4nv, [64, 128], smem_layout)
         out2 = gl.allocate_shared_memory(gl.float8e4nv, [64, 128], smem_layout)
@@ -624,8 +622,8 @@ if HAVE_GLUON:
         _tile_out_by_tma(y_desc, off_m, col0, y_smem, y.to(gl.bfloat16))
 
     @gluon.jit
-    def _down_trio_kernel(h_ptr, hs_ptr, w_table, ws_table, block_expert, sorted_pair, topk_w, y_ptr, trace_ptr,
-                          rows_total, n_local, num_m_blocks, num_n_tiles, N_OUT: gl.constexpr, K: gl.constexpr,
+    def _down_trio_kernel(h_desc, hs_ptr, w_table, ws_table, block_expert, sorted_pair, topk_w, y_desc, trace_ptr,
+                          n_local, num_m_blocks, num_n_tiles, N_OUT: gl.constexpr, K: gl.constexpr,
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, COL_TILES: gl.constexpr = 1,
                           FP8: gl.constexpr = True, LIVE_ROWS: gl.constexpr = False, TRACE: gl.constexpr = False,
@@ -634,8 +632,10 @@ if HAVE_GLUON:
         0-63, 64-127, 128-191 of the block, all from the same 128-row tiles of the expert's down
         weight, one 128-column tile after the other (PAIRS, BF16 only: two at a time, from 256-row
         weight tiles, so each tile of h is loaded half as often). FP8 (h with its 1 x 128 scales,
-        block-scaled weights) or BF16 (hs_ptr and ws_table unused). TRACE (FP8): each program's record
-        of where its time went into trace_ptr (kernels/gluon_trace.py; unread otherwise)."""
+        block-scaled weights) or BF16 (hs_ptr and ws_table unused). h_desc / y_desc: the host's TMA
+        descriptors of h ([64, BK] blocks) and y ([64, 128]); the expert's weights' is made here. TRACE
+        (FP8): each program's record of where its time went into trace_ptr (kernels/gluon_trace.py;
+        unread otherwise)."""
         if TRACE:
             entry_ns = trace.global_ns()
             entry_cycle = trace.clock()
@@ -652,15 +652,11 @@ if HAVE_GLUON:
         rec = trace_ptr
         if TRACE:
             rec = _trace_entry(trace_ptr, entry_ns, entry_cycle, n_steps, active, second, third)
-        h_desc = tma.make_tensor_descriptor(h_ptr, shape=[rows_total, K], strides=[K, 1], block_shape=[64, BK],
-                                            layout=smem_layout)
         w_desc = tma.make_tensor_descriptor(w, shape=[N_OUT, K], strides=[K, 1], block_shape=[128, BK],
                                             layout=smem_layout)
         a0_smem, a1_smem, a2_smem, b_smem = _trio_stage_tiles(STAGES, smem_layout, DTYPE, BK, 256 if PAIRS else 128)
         # each group's bf16 [64, 128] tile of y on its way out by TMA
         y_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        y_desc = tma.make_tensor_descriptor(y_ptr, shape=[rows_total, N_OUT], strides=[N_OUT, 1], block_shape=[64, 128],
-                                            layout=y_layout)
         y0 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], y_layout)
         y1 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], y_layout)
         y2 = gl.allocate_shared_memory(gl.bfloat16, [64, 128], y_layout)
@@ -875,9 +871,9 @@ def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor,
         return h, xsg  # no scales in BF16
     hs = torch.empty(rows, n // 128, dtype=torch.float32, device=xg.device)
     _gate_up_trio_kernel[(num_m * n_tiles,)](
-        xg, xsg, w_table, ws_table, block_expert, sorted_pair, h, hs, hs if trace is None else trace, rows, n_local,
-        num_m, n_tiles, alpha, limit, beta, N=n, K=k, ACT=act, GROUP_M=group_m, num_warps=4, LIVE_ROWS=live_rows,
-        TRACE=trace is not None, **TRIO_CONFIG)
+        _row_tiles(xg, 128), xsg, w_table, ws_table, block_expert, sorted_pair, _row_tiles(h, 128), hs,
+        hs if trace is None else trace, n_local, num_m, n_tiles, alpha, limit, beta, N=n, K=k, ACT=act,
+        GROUP_M=group_m, num_warps=4, LIVE_ROWS=live_rows, TRACE=trace is not None, **TRIO_CONFIG)
     return h, hs
 
 
@@ -885,6 +881,16 @@ def trio_trace_slots(num_m: int, n: int) -> int:
     """The int64 values a traced 192-row gate/up over num_m blocks and n columns of h writes: one
     record per program (kernels/gluon_trace.py)."""
     return num_m * (n // 128) * trace.RECORD_SLOTS
+
+
+def _row_tiles(t: torch.Tensor, cols: int) -> "TensorDescriptor":
+    """The host's TMA descriptor of a row-major [rows, n] tensor in [64, cols] blocks (128 bytes wide,
+    swizzled as the kernels' shared-memory tiles). Made here rather than in the kernel: each in-kernel
+    descriptor cost a program ~1 us before its first load (tools/trace_moe_gemms.py;
+    docs/kernel-notes.md#where-the-192-row-gemms-time-goes); in a CUDA graph it is part of the
+    captured launch."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8 * t.element_size(), rank=2)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [64, cols], layout)
 
 
 def _bf16_in_one_pass() -> bool:
@@ -945,9 +951,10 @@ def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table
         col_tiles = col_tiles_per_program(n_out // 128, DOWN_TRIO_COL_TILES)
     n_groups = n_out // 128 // col_tiles
     _down_trio_kernel[(num_m * n_groups,)](
-        h, hs, w_table, ws_table, block_expert, sorted_pair, topk_w, y, hs if trace is None else trace, rows, n_local,
-        num_m, n_groups, N_OUT=n_out, K=k, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4,
-        COL_TILES=col_tiles, FP8=fp8, LIVE_ROWS=_live_rows_only(), TRACE=trace is not None, PAIRS=pairs,
+        _row_tiles(h, 128 if fp8 else 64), hs, w_table, ws_table, block_expert, sorted_pair, topk_w, _row_tiles(y, 128),
+        hs if trace is None else trace, n_local, num_m, n_groups, N_OUT=n_out, K=k,
+        GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, COL_TILES=col_tiles, FP8=fp8,
+        LIVE_ROWS=_live_rows_only(), TRACE=trace is not None, PAIRS=pairs,
         **(DOWN_TRIO_PAIRS_CONFIG if pairs else DOWN_TRIO_CONFIG))
     return y
 

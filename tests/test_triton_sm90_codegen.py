@@ -350,7 +350,20 @@ def test_moe_gluon_gate_up_compiles_warp_specialized_without_spills(width, tmp_p
         assert local_memory_bytes(kernel, tmp_path) == 0, group_m
 
 
-GLUON_TRIO_SIG = {**GLUON_GATE_UP_SIG, "sorted_pair": "*i32", "trace_ptr": "*fp32"}  # untraced: hs, unread
+def row_tiles_sig(dtype: str, cols: int) -> str:
+    """The signature type of moe_gluon._row_tiles's host TMA descriptor: [64, cols] blocks of 128 swizzled bytes."""
+    from triton.experimental.gluon import language as gl
+
+    bits = 8 if dtype.startswith("fp8") else 16
+    return f"tensordesc<{dtype}[64, {cols}],{gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=bits, rank=2)!r}>"
+
+
+def gluon_trio_sig() -> dict:
+    """The 192-row FP8 gate/up's arguments: x and h as the host's descriptors, the trace pointer as
+    the untraced launch passes it (hs, unread)."""
+    sig = {k: v for k, v in GLUON_GATE_UP_SIG.items() if k not in ("x_ptr", "h_ptr", "rows_total")}
+    return {**sig, "a_desc": row_tiles_sig("fp8e4nv", 128), "out_desc": row_tiles_sig("fp8e4nv", 128),
+            "sorted_pair": "*i32", "trace_ptr": "*fp32"}
 
 
 def test_moe_gluon_192_row_gate_up_compiles_warp_specialized_without_spills(tmp_path):
@@ -361,7 +374,7 @@ def test_moe_gluon_192_row_gate_up_compiles_warp_specialized_without_spills(tmp_
 
     if not mg.HAVE_GLUON:
         pytest.skip(f"triton {triton.__version__} has no Gluon")
-    kernel = compiled_gluon_sm90(mg._gate_up_trio_kernel, GLUON_TRIO_SIG,
+    kernel = compiled_gluon_sm90(mg._gate_up_trio_kernel, gluon_trio_sig(),
                                  dict(N=3072, K=6144, ACT=0, GROUP_M=-1, num_warps=4, **mg.TRIO_CONFIG), 4)
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx
@@ -381,9 +394,9 @@ def test_moe_gluon_192_row_kernels_traced_read_the_timers_and_otherwise_compile_
 
     if not mg.HAVE_GLUON:
         pytest.skip(f"triton {triton.__version__} has no Gluon")
-    cases = [(mg._gate_up_trio_kernel, GLUON_TRIO_SIG,
+    cases = [(mg._gate_up_trio_kernel, gluon_trio_sig(),
               dict(N=3072, K=6144, ACT=0, GROUP_M=-1, num_warps=4, LIVE_ROWS=True, **mg.TRIO_CONFIG)),
-             (mg._down_trio_kernel, GLUON_DOWN_TRIO_SIG,
+             (mg._down_trio_kernel, gluon_down_trio_sig(),
               dict(N_OUT=6144, K=3072, GROUP_M=-1, num_warps=4, COL_TILES=3, LIVE_ROWS=True, **mg.DOWN_TRIO_CONFIG))]
 
     def instructions(kernel):
@@ -413,10 +426,13 @@ def test_moe_gluon_192_row_kernels_traced_read_the_timers_and_otherwise_compile_
     assert not any(spills.values()), spills
 
 
-GLUON_DOWN_TRIO_SIG = {"h_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w_table": "*i64", "ws_table": "*i64",
-                       "block_expert": "*i32", "sorted_pair": "*i32", "topk_w": "*fp32", "y_ptr": "*bf16",
-                       "rows_total": "i32", "n_local": "i32", "num_m_blocks": "i32", "num_n_tiles": "i32",
-                       "trace_ptr": "*fp32"}  # untraced: hs, unread
+def gluon_down_trio_sig(fp8: bool = True) -> dict:
+    """The 192-row down's arguments: h and y as the host's descriptors (h in [64, 128] FP8 or [64, 64]
+    bf16 blocks), the trace pointer as the untraced launch passes it (hs, unread)."""
+    return {"h_desc": row_tiles_sig("fp8e4nv", 128) if fp8 else row_tiles_sig("bf16", 64), "hs_ptr": "*fp32",
+            "w_table": "*i64", "ws_table": "*i64", "block_expert": "*i32", "sorted_pair": "*i32", "topk_w": "*fp32",
+            "y_desc": row_tiles_sig("bf16", 128), "n_local": "i32", "num_m_blocks": "i32", "num_n_tiles": "i32",
+            "trace_ptr": "*fp32"}
 
 
 def test_moe_gluon_192_row_down_compiles_warp_specialized_without_spills(tmp_path):
@@ -427,7 +443,7 @@ def test_moe_gluon_192_row_down_compiles_warp_specialized_without_spills(tmp_pat
     if not mg.HAVE_GLUON:
         pytest.skip(f"triton {triton.__version__} has no Gluon")
     for group_m, col_tiles in ((4, 1), (-1, 1), (-1, mg.col_tiles_per_program(48, mg.DOWN_TRIO_COL_TILES)), (4, 8)):
-        kernel = compiled_gluon_sm90(mg._down_trio_kernel, GLUON_DOWN_TRIO_SIG,
+        kernel = compiled_gluon_sm90(mg._down_trio_kernel, gluon_down_trio_sig(),
                                      dict(N_OUT=6144, K=3072, GROUP_M=group_m, num_warps=4, COL_TILES=col_tiles,
                                           **mg.DOWN_TRIO_CONFIG), 4)
         ptx = kernel.asm["ptx"]
@@ -452,7 +468,7 @@ def test_moe_gluon_bf16_gemms_compile_warp_specialized_without_spills(width, tmp
         pytest.skip(f"triton {triton.__version__} has no Gluon")
     gate_up = compiled_gluon_sm90(mg._gate_up_trio_bf16_kernel, GLUON_TRIO_BF16_SIG,
                                   dict(N=width, K=2 * width, ACT=0, GROUP_M=-1, num_warps=4, **mg.TRIO_BF16_CONFIG), 4)
-    down_sig = {**GLUON_DOWN_TRIO_SIG, "h_ptr": "*bf16"}
+    down_sig = gluon_down_trio_sig(fp8=False)
     downs = [compiled_gluon_sm90(mg._down_trio_kernel, down_sig,
                                  dict(N_OUT=2 * width, K=width, GROUP_M=group_m, num_warps=4, COL_TILES=col_tiles,
                                       FP8=False, **mg.DOWN_TRIO_CONFIG), 4)
@@ -493,7 +509,7 @@ def test_moe_gluon_bf16_in_one_pass_keeps_its_products_in_flight(width, tmp_path
     gate_up = compiled_gluon_sm90(mg._gate_up_trio_bf16_kernel, GLUON_TRIO_BF16_SIG,
                                   dict(N=width, K=2 * width, ACT=0, GROUP_M=-1, num_warps=4, LIVE_ROWS=True, PASSES=1,
                                        **mg.TRIO_BF16_ONE_PASS_CONFIG), 4)
-    down = compiled_gluon_sm90(mg._down_trio_kernel, {**GLUON_DOWN_TRIO_SIG, "h_ptr": "*bf16"},
+    down = compiled_gluon_sm90(mg._down_trio_kernel, gluon_down_trio_sig(fp8=False),
                                dict(N_OUT=2 * width, K=width, GROUP_M=-1, num_warps=4, COL_TILES=4, FP8=False,
                                     LIVE_ROWS=True, PAIRS=True, **mg.DOWN_TRIO_PAIRS_CONFIG), 4)
     spilled = {}
@@ -519,9 +535,9 @@ def test_moe_gluon_192_row_kernels_with_live_rows_only(tmp_path):
 
     if not mg.HAVE_GLUON:
         pytest.skip(f"triton {triton.__version__} has no Gluon")
-    cases = [(mg._gate_up_trio_kernel, GLUON_TRIO_SIG,
+    cases = [(mg._gate_up_trio_kernel, gluon_trio_sig(),
               dict(N=3072, K=6144, ACT=0, GROUP_M=-1, num_warps=4, **mg.TRIO_CONFIG)),
-             (mg._down_trio_kernel, GLUON_DOWN_TRIO_SIG,
+             (mg._down_trio_kernel, gluon_down_trio_sig(),
               dict(N_OUT=6144, K=3072, GROUP_M=-1, num_warps=4, COL_TILES=3, **mg.DOWN_TRIO_CONFIG)),
              (mg._gate_up_trio_bf16_kernel, GLUON_TRIO_BF16_SIG,
               dict(N=3072, K=6144, ACT=0, GROUP_M=-1, num_warps=4, **mg.TRIO_BF16_CONFIG))]
