@@ -117,22 +117,35 @@ def gluon_fits(device: torch.device, dtype: torch.dtype, hidden: int, cfg: dict,
 TRIO_MIN_ROWS_PER_EXPERT = 128
 
 
-def gluon_bf16_fits(device: torch.device, dtype: torch.dtype, hidden: int, n: int, n_shared: int) -> bool:
+# From this many rows per expert on average (the shared slot counted) a BF16 layer's expert GEMMs run
+# as the Gluon kernels over 192-row blocks under moe_gemm=auto. One H100 on 2026-12-08 (one pass,
+# moe_bf16_passes=1) against the Triton loops, M3's layer: 4096 tokens (159 rows) even (1.5% slower
+# in the tile sweep, the same in a CUDA graph), 8192 (317) 8-9% faster, 16384 (635) 12-15% faster
+# (docs/kernel-notes.md#the-bf16-gateup-in-one-pass).
+BF16_TRIO_MIN_ROWS_PER_EXPERT = 256
+
+
+def gluon_bf16_fits(device: torch.device, dtype: torch.dtype, hidden: int, n: int, n_shared: int, pairs: int,
+                    experts: int) -> bool:
     """Whether a BF16 layer's expert GEMMs run as the Gluon kernels over 192-row blocks
-    (moe_gluon.gate_up_act_trio / down_trio in BF16) instead of the Triton loops: only under kernel
-    option moe_gemm=gluon192 (an error where the GPU cannot). auto keeps BF16 on Triton: on an H100
-    the Gluon pair gave the same bits but a 3-4% slower layer at 4096-16384 tokens (its gate/up 2-3%
-    slower than Triton's BF16 loop, the row scatter extra; docs/kernel-notes.md#moe-bf16-in-gluon).
-    moe_down=triton keeps the whole BF16 layer on Triton (its down cannot read the 192-row blocks
-    at BF16's tiles). Only a bf16 model with routed and shared experts of one width and whole
-    128-wide tiles."""
+    (moe_gluon.gate_up_act_trio / down_trio in BF16) instead of the Triton loops. Kernel option
+    moe_gemm: auto = on an sm_90 GPU with Gluon from BF16_TRIO_MIN_ROWS_PER_EXPERT rows per expert on
+    average (pairs over experts, the shared slot counted); gluon192 = always (an error where the GPU
+    cannot); triton and gluon (the 64-row FP8 kernel) = never. moe_down=triton keeps the whole BF16
+    layer on Triton (its down cannot read the 192-row blocks at BF16's tiles). Only a bf16 model with
+    routed and shared experts of one width and whole 128-wide tiles."""
     opts = kernel_options()
-    if opts.moe_gemm != "gluon192" or opts.moe_down == "triton" or device.type != "cuda" or dtype != torch.bfloat16:
+    if opts.moe_gemm not in ("auto", "gluon192") or opts.moe_down == "triton" or device.type != "cuda" \
+            or dtype != torch.bfloat16:
         return False
     if not moe_gluon.gluon_available(device):
+        if opts.moe_gemm == "auto":
+            return False
         raise RuntimeError(f"kernel option moe_gemm=gluon192 needs triton's Gluon and an sm_90 (Hopper) GPU; "
                            f"this is {device} with triton {TRITON_VERSION}: use auto or triton")
-    return n == n_shared and n % 128 == 0 and hidden % 128 == 0
+    if not (n == n_shared and n % 128 == 0 and hidden % 128 == 0):
+        return False
+    return opts.moe_gemm == "gluon192" or pairs >= BF16_TRIO_MIN_ROWS_PER_EXPERT * experts
 
 
 def bf16_gluon_order(cfg: dict) -> dict:

@@ -667,8 +667,11 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
     n_experts = len(w13)
     n_max = max(n, n_shared)
     cfg = config or moe_plan.tile_config(t, routed_k, num_experts, fp8, float32=x.dtype == torch.float32)
-    # BF16 under moe_gemm=gluon192: the Gluon GEMMs over 192-row blocks, as FP8 below
-    bf16_gluon = not fp8 and moe_plan.gluon_bf16_fits(x.device, x.dtype, hidden, n, n_shared)
+    # local_pairs: the pairs this rank's experts take, on average (routing spreads them; the shared
+    # slot takes every token)
+    local_pairs = t * routed_k * n_local // max(num_experts, 1) + (t if shared is not None else 0)
+    # BF16 at prefill sizes: the Gluon GEMMs over 192-row blocks, as FP8 below
+    bf16_gluon = not fp8 and moe_plan.gluon_bf16_fits(x.device, x.dtype, hidden, n, n_shared, local_pairs, n_experts)
     if bf16_gluon:
         cfg = moe_plan.bf16_gluon_order(cfg)
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
@@ -693,9 +696,7 @@ def grouped_gated_mlp(x: torch.Tensor, ids: Optional[torch.Tensor], weights: Opt
     gluon = fp8 and moe_plan.gluon_fits(x.device, x.dtype, hidden, cfg, n, n_shared)
     # the Gluon gate/up over 192-row blocks (three 64-row groups share each weight tile): the
     # experts' runs are padded to 192, and the down GEMM runs over the same blocks (Gluon) or takes
-    # them as 64-row thirds (Triton). local_pairs: the pairs this rank's experts take, on average
-    # (routing spreads them; the shared slot takes every token)
-    local_pairs = t * routed_k * n_local // max(num_experts, 1) + (t if shared is not None else 0)
+    # them as 64-row thirds (Triton)
     trio = (gluon and moe_plan.trio_fits(local_pairs, n_experts)) or bf16_gluon
     gluon_down = moe_plan.gluon_down_fits(trio)
     align_m = moe_gluon.TRIO_BLOCK_M if trio else bm

@@ -24,10 +24,10 @@ environment, so a launcher sets the variables before it starts them.
 | moe_gate_up      | MINIMAX_MOE_GATE_UP      | auto    | auto, two_dots, one_dot          | the gate/up kernel's product per K step instead of tile_config's choice (auto: one product twice as wide at prefill sizes, two products at decode sizes) |
 | moe_group_m      | MINIMAX_MOE_GROUP_M      | (unset) | a whole number >= 0              | the grouped GEMMs' program order instead of tile_config's choice: 0 = row blocks fastest over all, g = groups of g row blocks, each group's column tiles first |
 | moe_expert_groups | MINIMAX_MOE_EXPERT_GROUPS | (unset) | a whole number >= 1             | the grouped GEMMs' program order by expert: each group one expert's row blocks (at most this many), its column tiles first; overrides moe_group_m (kernels/moe_expert_groups.py) |
-| moe_gemm         | MINIMAX_MOE_GEMM         | auto    | auto, triton, gluon, gluon192    | the expert GEMMs at prefill sizes: auto = the warp-specialized Gluon FP8 gate/up of kernels/moe_gluon.py where the GPU runs it (sm_90), in its 192-row form from 128 rows per expert, else Triton (BF16: Triton); gluon = the 64-row FP8 kernel or an error (BF16: Triton); gluon192 = the 192-row form (three 64-row groups share each weight tile; in BF16 too, gate/up and down) or an error; triton = the Triton loops |
+| moe_gemm         | MINIMAX_MOE_GEMM         | auto    | auto, triton, gluon, gluon192    | the expert GEMMs at prefill sizes: auto = the warp-specialized Gluon FP8 gate/up of kernels/moe_gluon.py where the GPU runs it (sm_90), in its 192-row form from 128 rows per expert, else Triton; BF16: the 192-row Gluon gate/up and down from 256 rows per expert, else Triton; gluon = the 64-row FP8 kernel or an error (BF16: Triton); gluon192 = the 192-row form (three 64-row groups share each weight tile; in BF16 too, gate/up and down) or an error; triton = the Triton loops |
 | moe_down         | MINIMAX_MOE_DOWN         | auto    | auto, triton                     | the down GEMM: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py wherever the gate/up runs over 192-row blocks, else Triton; triton = the Triton kernel always (and a BF16 layer wholly on Triton) |
 | moe_trio_rows    | MINIMAX_MOE_TRIO_ROWS    | live    | live, all                        | the 192-row Gluon GEMMs' producer: live = only the 64-row tiles of groups that hold rows (an idle group's tile is padding nobody reads: 3-13% fewer bytes a stage at M3's prefill sizes); all = every 64-row tile of a block into each stage |
-| moe_bf16_passes  | MINIMAX_MOE_BF16_PASSES  | 2       | 2, 1                             | the BF16 192-row Gluon gate/up (moe_gemm=gluon192): 2 = two passes over a program's K steps, 64 columns of h each, the block's activation tiles loaded in both; 1 = one pass, a gate and an up product side by side from 256-row weight tiles, the activation tiles loaded once, and the BF16 Gluon down two column tiles a pass (unmeasured: off until timed) |
+| moe_bf16_passes  | MINIMAX_MOE_BF16_PASSES  | 1       | 1, 2                             | the BF16 192-row Gluon gate/up: 2 = two passes over a program's K steps, 64 columns of h each, the block's activation tiles loaded in both; 1 = one pass, a gate and an up product side by side from 256-row weight tiles, the activation tiles loaded once, and the BF16 Gluon down two column tiles a pass (8-13% faster than 2 on an H100) |
 | moe_half_blocks  | MINIMAX_MOE_HALF_BLOCKS  | auto    | auto, off, on                    | on: the Triton grouped GEMMs multiply only the first half of a block whose second half is padding (an expert's run ends in its last block: at M3's 4096 tokens BF16 at BLOCK_M 128 multiplies 38% more rows than the useful ones, 19% with halves); auto: on for BF16 at BLOCK_M 128 where the experts average at most a block of rows (M3 up to 4096 tokens), where it was measured faster |
 | moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~15-40 torch kernels instead of Triton (one program up to 512 token-expert pairs, chunks of pairs in two launches past them) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
@@ -80,8 +80,10 @@ docs/kernel-notes.md). Who runs them:
   it): the layer 2-6% faster at 8192-16384 tokens, the GPU tests passing with it; since
   2026-12-06 (twenty-second session) from 128 rows per expert (4096 tokens at EP 1: the layer
   3-6% faster on an H100; docs/kernel-notes.md#three-warp-groups-over-192-row-blocks). gluon192
-  also runs a BF16 layer's gate/up and down in Gluon (bit-equal to Triton, 3-4% slower on an
-  H100, so not under auto: docs/kernel-notes.md#moe-bf16-in-gluon);
+  also runs a BF16 layer's gate/up and down in Gluon (bit-equal to Triton; in two passes 3-4%
+  slower on an H100: docs/kernel-notes.md#moe-bf16-in-gluon); since 2026-12-08 (thirty-fifth
+  session) auto runs them from 256 rows per expert, in one pass (moe_bf16_passes): the layer
+  8-9% faster than Triton at 8192 tokens, 12-15% at 16384, even at 4096 (one H100);
 * moe_down: auto (the default since 2026-12-04) runs the Gluon down GEMM over the same 192-row
   blocks wherever the gate/up runs in that form: bit-equal to the Triton down (GPU tests), 12%
   faster than it at 8192 tokens and even at 16384, the layer back to back 1-2% faster
@@ -92,11 +94,11 @@ docs/kernel-notes.md). Who runs them:
   over blocks with one and two live groups), the layer 1-2% faster at 4096-16384 tokens on an
   H100 (docs/kernel-notes.md#idle-row-loads-skipped); all keeps every row load,
   tools/tune_moe.py --trio-rows all live times both forms;
-* moe_bf16_passes: 1 (2026-12-07, thirty-fourth session, compiled for sm_90 on the CPU only)
+* moe_bf16_passes: 1 (built 2026-12-07, the default since 2026-12-08, thirty-fifth session)
   halves the activation bytes the BF16 192-row gate/up and down load per FLOP
   (docs/kernel-notes.md#the-bf16-gateup-in-one-pass); the GPU test of tests/test_moe_triton.py
-  checks it against the Triton path bit for bit, tools/tune_moe.py --bf16-passes 2 1 times both;
-  2 stays the default until it is measured;
+  checks it against the Triton path bit for bit (passed on an H100), tools/tune_moe.py
+  --bf16-passes 2 1 times both: one pass 6-11% faster per call than two at 4096-16384 tokens;
 * moe_half_blocks: on (2026-12-07, twenty-seventh session) gives the Triton gate/up and down
   kernels a second copy of their loop at half the block's rows, taken where the block's second
   half is padding (docs/kernel-notes.md#moe-against-both-limits counts the padding); auto (the
@@ -176,7 +178,8 @@ class KernelOptions:
     moe_gemm: str = _switch(
         "MINIMAX_MOE_GEMM", "auto", "the expert GEMMs at prefill sizes: auto = the warp-specialized Gluon FP8 "
         "gate/up of kernels/moe_gluon.py where the GPU runs it (sm_90), in its 192-row form from 128 rows per "
-        "expert, else Triton (BF16: Triton); gluon = the 64-row FP8 kernel or an error (BF16 stays on Triton); "
+        "expert, else Triton (BF16: the 192-row Gluon gate/up and down from 256 rows per expert); gluon = the "
+        "64-row FP8 kernel or an error (BF16 stays on Triton); "
         "gluon192 = the 192-row form (three 64-row groups share each weight tile; in BF16 too, gate/up and down) "
         "or an error; triton = the Triton loops", choices=("auto", "triton", "gluon", "gluon192"))
     moe_down: str = _switch(
@@ -187,9 +190,9 @@ class KernelOptions:
         "MINIMAX_MOE_TRIO_ROWS", "live", "the 192-row Gluon GEMMs' producer: live = only the 64-row tiles of "
         "groups that hold rows; all = every 64-row tile of a block into each stage", choices=("live", "all"))
     moe_bf16_passes: str = _switch(
-        "MINIMAX_MOE_BF16_PASSES", "2", "the BF16 192-row Gluon gate/up: 2 = two passes of 64 columns of h, the "
+        "MINIMAX_MOE_BF16_PASSES", "1", "the BF16 192-row Gluon gate/up: 2 = two passes of 64 columns of h, the "
         "activation tiles loaded in both; 1 = one pass over all 128 columns from 256-row weight tiles, the "
-        "activation tiles loaded once, and the BF16 Gluon down two column tiles a pass", choices=("2", "1"))
+        "activation tiles loaded once, and the BF16 Gluon down two column tiles a pass", choices=("1", "2"))
     moe_half_blocks: str = _switch(
         "MINIMAX_MOE_HALF_BLOCKS", "auto", "on: the Triton grouped GEMMs multiply only the first half of a block "
         "whose second half is padding; auto: on for BF16 at BLOCK_M 128 where the experts average at most a block "

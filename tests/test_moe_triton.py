@@ -657,28 +657,47 @@ def test_host_side_of_the_bf16_gluon_path_equals_the_triton_path(interp, monkeyp
     assert torch.equal(out[True], out[False])
 
 
-def test_bf16_gluon_path_only_under_gluon192():
-    """gluon_bf16_fits: the BF16 Gluon GEMMs only under moe_gemm=gluon192 (auto keeps BF16 on Triton:
-    measured slower), an error there off a Hopper GPU (never a silent Triton run of a pinned
-    kernel), never with moe_down=triton, a float32 model or a narrower shared expert."""
+def test_bf16_gluon_path_from_256_rows_per_expert_under_auto_and_always_under_gluon192():
+    """gluon_bf16_fits: under moe_gemm=auto the BF16 Gluon GEMMs from BF16_TRIO_MIN_ROWS_PER_EXPERT
+    rows per expert on average (M3 at EP 1: 8192 tokens yes, 4096 no), never where the GPU has no
+    Gluon; under gluon192 always, an error off a Hopper GPU (never a silent Triton run of a pinned
+    kernel); never under triton or gluon, with moe_down=triton, a float32 model or a narrower
+    shared expert."""
     import minimax_backend.kernels.moe_gluon as mg
 
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    experts = 129  # M3's 128 routed experts and the shared slot
+
+    def pairs(tokens):  # top-4 over 128 experts, every token in the shared slot
+        return tokens * 4 + tokens
+
+    assert plan.BF16_TRIO_MIN_ROWS_PER_EXPERT * experts > pairs(4096)
+    assert plan.BF16_TRIO_MIN_ROWS_PER_EXPERT * experts <= pairs(8192)
+    big, small = (6144, 3072, 3072, pairs(8192), experts), (6144, 3072, 3072, pairs(4096), experts)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mg, "gluon_available", lambda device: True)
-        for gemm in ("auto", "triton", "gluon"):
+        with override_kernel_options(moe_gemm="auto"):
+            assert plan.gluon_bf16_fits(cuda, bf16, *big)
+            assert not plan.gluon_bf16_fits(cuda, bf16, *small)
+            assert not plan.gluon_bf16_fits(torch.device("cpu"), bf16, *big)
+            assert not plan.gluon_bf16_fits(cuda, torch.float32, *big)
+            assert not plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 1536, pairs(8192), experts)
+        for gemm in ("triton", "gluon"):
             with override_kernel_options(moe_gemm=gemm):
-                assert not plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072), gemm
+                assert not plan.gluon_bf16_fits(cuda, bf16, *big), gemm
         with override_kernel_options(moe_gemm="gluon192"):
-            assert plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072)
-            assert not plan.gluon_bf16_fits(torch.device("cpu"), bf16, 6144, 3072, 3072)
-            assert not plan.gluon_bf16_fits(cuda, torch.float32, 6144, 3072, 3072)
-            assert not plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 1536)  # a narrower shared slice
-        with override_kernel_options(moe_gemm="gluon192", moe_down="triton"):
-            assert not plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072)
+            assert plan.gluon_bf16_fits(cuda, bf16, *small)
+            assert not plan.gluon_bf16_fits(torch.device("cpu"), bf16, *small)
+            assert not plan.gluon_bf16_fits(cuda, torch.float32, *small)
+            assert not plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 1536, pairs(4096), experts)  # a narrower shared slice
+        for gemm in ("auto", "gluon192"):
+            with override_kernel_options(moe_gemm=gemm, moe_down="triton"):
+                assert not plan.gluon_bf16_fits(cuda, bf16, *big), gemm
         mp.setattr(mg, "gluon_available", lambda device: False)
+        with override_kernel_options(moe_gemm="auto"):
+            assert not plan.gluon_bf16_fits(cuda, bf16, *big)
         with override_kernel_options(moe_gemm="gluon192"), pytest.raises(RuntimeError, match="moe_gemm=gluon192"):
-            plan.gluon_bf16_fits(cuda, bf16, 6144, 3072, 3072)
+            plan.gluon_bf16_fits(cuda, bf16, *small)
 
 
 class _LaunchRecorder:
@@ -692,10 +711,10 @@ class _LaunchRecorder:
 
 
 def test_bf16_192_row_launchers_take_one_pass_only_under_moe_bf16_passes_1(monkeypatch):
-    """moe_bf16_passes=1 on the host (the kernels themselves are GPU tests): the BF16 gate/up runs in one
-    pass with its own registers, the BF16 down two column tiles a pass, four tiles a program (a grid
-    of 12 programs per block for 48 tiles instead of 16), never FP8 and never an odd number of column
-    tiles; the default keeps the two-pass forms."""
+    """moe_bf16_passes=1 (the default) on the host (the kernels themselves are GPU tests): the BF16
+    gate/up runs in one pass with its own registers, the BF16 down two column tiles a pass, four tiles
+    a program (a grid of 12 programs per block for 48 tiles instead of 16), never FP8 and never an
+    odd number of column tiles; moe_bf16_passes=2 keeps the two-pass forms."""
     import minimax_backend.kernels.moe_gluon as mg
 
     if not mg.HAVE_GLUON:
@@ -721,8 +740,9 @@ def test_bf16_192_row_launchers_take_one_pass_only_under_moe_bf16_passes_1(monke
         return grid[0], kw["PASSES"], kw["STAGES"], kw["CONSUMER_REGS"]
 
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
-    assert run_gate_up() == (num_m * 2, 2, 4, 168)
-    assert run_down(bf16, 6144) == (num_m * 16, 3, False, 4, 168)
+    with override_kernel_options(moe_bf16_passes="2"):
+        assert run_gate_up() == (num_m * 2, 2, 4, 168)
+        assert run_down(bf16, 6144) == (num_m * 16, 3, False, 4, 168)
     with override_kernel_options(moe_bf16_passes="1"):
         assert run_gate_up() == (num_m * 2, 1, 4, 160)
         assert run_down(bf16, 6144) == (num_m * 12, 4, True, 3, 160)
@@ -1406,13 +1426,12 @@ def test_gpu_bf16_gluon_kernels_against_cpu_reference_and_triton(tokens, monkeyp
     for kernels in ("triton", "gluon192"):
         with override_kernel_options(moe_gemm=kernels):
             out[kernels] = kt.grouped_gated_mlp(x, *common, shared=shared)
-    with override_kernel_options(moe_gemm="gluon192", moe_trio_rows="live"):  # idle groups' rows not loaded
-        out["live_rows"] = kt.grouped_gated_mlp(x, *common, shared=shared)
-    with override_kernel_options(moe_gemm="gluon192", moe_bf16_passes="1"):  # gate and up side by side, one pass
-        out["one_pass"] = kt.grouped_gated_mlp(x, *common, shared=shared)
-    assert torch.equal(out["gluon192"], out["triton"]), (out["gluon192"] - out["triton"]).abs().max()
-    assert torch.equal(out["live_rows"], out["triton"]), (out["live_rows"] - out["triton"]).abs().max()
-    assert torch.equal(out["one_pass"], out["triton"]), (out["one_pass"] - out["triton"]).abs().max()
+    with override_kernel_options(moe_gemm="gluon192", moe_trio_rows="all"):  # idle groups' rows loaded too
+        out["all_rows"] = kt.grouped_gated_mlp(x, *common, shared=shared)
+    with override_kernel_options(moe_gemm="gluon192", moe_bf16_passes="2"):  # gate, then up: two passes
+        out["two_passes"] = kt.grouped_gated_mlp(x, *common, shared=shared)
+    for form in ("gluon192", "all_rows", "two_passes"):  # the default: one pass, live rows
+        assert torch.equal(out[form], out["triton"]), (form, (out[form] - out["triton"]).abs().max())
 
 
 @pytest.mark.gpu

@@ -196,7 +196,7 @@ def main(argv=None) -> None:
     p.add_argument("--trio-rows", nargs="+", choices=["all", "live"], default=["live"],
                    help="the 192-row Gluon GEMMs' row loads under --moe-gemm gluon192 (kernel option moe_trio_rows; "
                         "live: only the 64-row tiles of groups that hold rows)")
-    p.add_argument("--bf16-passes", nargs="+", choices=["2", "1"], default=["2"],
+    p.add_argument("--bf16-passes", nargs="+", choices=["1", "2"], default=["1"],
                    help="the BF16 192-row Gluon gate/up under --moe-gemm gluon192 (kernel option moe_bf16_passes; "
                         "1: one pass over all 128 columns of h, the activation tiles loaded once, and the BF16 Gluon "
                         "down two column tiles a pass)")
