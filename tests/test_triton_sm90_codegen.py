@@ -550,6 +550,73 @@ def test_moe_gluon_192_row_kernels_with_live_rows_only(tmp_path):
         assert local_memory_bytes(live, tmp_path) == 0, fn.__name__
 
 
+def sass_lines(cubin: bytes, tmp_path, name: str) -> list[tuple[str, int, int]]:
+    """(instruction text, low word, high word) of each instruction of a one-kernel cubin, from cuobjdump."""
+    import os
+    import subprocess
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        pytest.skip("this triton ships no cuobjdump")
+    path = tmp_path / f"{name}.cubin"
+    path.write_bytes(cubin)
+    lines = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;\s*/\* (0x[0-9a-f]{16}) \*/", line)
+        if m:
+            high = re.search(r"0x[0-9a-f]{16}", lines[i + 1]).group(0)
+            out.append((m.group(1), int(m.group(2), 16), int(high, 16)))
+    return out
+
+
+def test_ffma_yield_edits_only_the_fp8_promotion_ffmas_control_bits(tmp_path):
+    """kernel option moe_fp8_yield (kernels/ffma_yield.py) on the FP8 192-row gate/up and down as
+    compiled for sm_90: the encoding it relies on holds in ptxas's output (a register FFMA, in any
+    rounding mode, has opcode 0x223; the reuse flags are exactly the disassembly's `.reuse`; no instruction with one is marked
+    to yield), its runs hold each consumer group's promotion (64 FFMA a K step: 3 groups x 2 passes in
+    the gate/up, 3 groups in the down, where ptxas moves a few elsewhere), and after the edit the
+    disassembly is the same instruction for instruction but for the `.reuse` of the FFMAs it made
+    yield, with nothing else in the cubin changed."""
+    from minimax_backend.kernels import ffma_yield as fy
+    from minimax_backend.kernels import moe_gluon as mg
+
+    if not mg.HAVE_GLUON:
+        pytest.skip(f"triton {triton.__version__} has no Gluon")
+    cases = [(mg._gate_up_trio_kernel, gluon_trio_sig(),
+              dict(N=3072, K=6144, ACT=0, GROUP_M=-1, num_warps=4, LIVE_ROWS=True, **mg.TRIO_CONFIG), 384, 384),
+             (mg._down_trio_kernel, gluon_down_trio_sig(),
+              dict(N_OUT=6144, K=3072, GROUP_M=-1, num_warps=4, COL_TILES=3, LIVE_ROWS=True, **mg.DOWN_TRIO_CONFIG),
+              168, 192)]  # ptxas interleaves 6 (Triton 3.6) or 14 (3.9) of the down's 192 with other work
+    for fn, sig, constants, least, most in cases:
+        kernel = compiled_gluon_sm90(fn, sig, constants, 4)
+        cubin = kernel.asm["cubin"]
+        before = sass_lines(cubin, tmp_path, "plain")
+        for text, low, high in before:
+            assert (low & fy.OPCODE_MASK == fy.FFMA_REGISTERS) == (text.split()[0].split(".")[0] == "FFMA" and text.count(", R") == 3
+                                                                   and "c[" not in text), text
+            assert bool(high & fy.REUSE_BITS) == (".reuse" in text), text
+            if high & fy.REUSE_BITS:
+                assert high & fy.NO_YIELD_BIT, text
+        for every in (1, 2, 4):
+            patched, changed = fy.with_ffma_yields(cubin, every)
+            if every == 1:
+                assert least <= changed <= most, (fn.__name__, changed)
+            after = sass_lines(patched, tmp_path, f"yield{every}")
+            assert len(after) == len(before)
+            offset, size = fy.text_sections(cubin)[f".text.{fn.__name__}"]
+            targets = {i for run in fy.ffma_runs(cubin[offset:offset + size]) for i in run[every - 1::every]}
+            assert len(targets) == changed
+            for i, ((t0, lo0, hi0), (t1, lo1, hi1)) in enumerate(zip(before, after)):
+                assert lo1 == lo0, t0
+                if i in targets:
+                    assert t0.startswith("FFMA") and hi1 == hi0 & ~(fy.NO_YIELD_BIT | fy.REUSE_BITS), t0
+                    assert t1 == t0.replace(".reuse", ""), t0
+                else:
+                    assert (t1, hi1) == (t0, hi0)
+            assert patched[:offset] == cubin[:offset] and patched[offset + size:] == cubin[offset + size:]
+
+
 def test_moe_route_and_alignment_kernels_compile(moe):
     from minimax_backend.kernels import moe_align_triton as al
     from minimax_backend.kernels import moe_route_triton as rt
