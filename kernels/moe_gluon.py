@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ffma_yield
 from . import gluon_trace as trace
 from .options import kernel_options
 
@@ -479,12 +480,14 @@ if HAVE_GLUON:
                               n_local, num_m_blocks, num_n_tiles, alpha, limit, beta, N: gl.constexpr,
                               K: gl.constexpr, ACT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
-                              LIVE_ROWS: gl.constexpr = False, TRACE: gl.constexpr = False):
+                              LIVE_ROWS: gl.constexpr = False, TRACE: gl.constexpr = False,
+                              FFMA_YIELD: gl.constexpr = 0):
         """gate_up + act of one [192, 128] tile of h: warp groups 0, 1, 2 rows 0-63, 64-127, 128-191,
         all from the same [128, 128] weight tiles (gate over up, 64 columns of h at a time). a_desc /
         out_desc: the host's TMA descriptors of x and h ([64, 128] blocks); the expert's weights' is made
         here. TRACE: each program's record of where its time went into trace_ptr
-        (kernels/gluon_trace.py; unread otherwise)."""
+        (kernels/gluon_trace.py; unread otherwise). FFMA_YIELD: unread here; it keys the compiled
+        kernel that _launch_trio edits (kernels/ffma_yield.py)."""
         BK: gl.constexpr = 128
         if TRACE:
             entry_ns = trace.global_ns()
@@ -627,7 +630,7 @@ if HAVE_GLUON:
                           STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr, COL_TILES: gl.constexpr = 1,
                           FP8: gl.constexpr = True, LIVE_ROWS: gl.constexpr = False, TRACE: gl.constexpr = False,
-                          PAIRS: gl.constexpr = False):
+                          PAIRS: gl.constexpr = False, FFMA_YIELD: gl.constexpr = 0):
         """y of one [192, 128 * COL_TILES] tile (num_n_tiles counts those): warp groups 0, 1, 2 rows
         0-63, 64-127, 128-191 of the block, all from the same 128-row tiles of the expert's down
         weight, one 128-column tile after the other (PAIRS, BF16 only: two at a time, from 256-row
@@ -635,7 +638,7 @@ if HAVE_GLUON:
         block-scaled weights) or BF16 (hs_ptr and ws_table unused). h_desc / y_desc: the host's TMA
         descriptors of h ([64, BK] blocks) and y ([64, 128]); the expert's weights' is made here. TRACE
         (FP8): each program's record of where its time went into trace_ptr (kernels/gluon_trace.py;
-        unread otherwise)."""
+        unread otherwise). FFMA_YIELD: as the gate/up's."""
         if TRACE:
             entry_ns = trace.global_ns()
             entry_cycle = trace.clock()
@@ -870,11 +873,31 @@ def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor,
             ACT=act, GROUP_M=group_m, num_warps=4, LIVE_ROWS=live_rows, PASSES=passes, **config)
         return h, xsg  # no scales in BF16
     hs = torch.empty(rows, n // 128, dtype=torch.float32, device=xg.device)
-    _gate_up_trio_kernel[(num_m * n_tiles,)](
-        _row_tiles(xg, 128), xsg, w_table, ws_table, block_expert, sorted_pair, _row_tiles(h, 128), hs,
+    _launch_trio(
+        _gate_up_trio_kernel, (num_m * n_tiles,), True, _row_tiles(xg, 128), xsg, w_table, ws_table, block_expert, sorted_pair, _row_tiles(h, 128), hs,
         hs if trace is None else trace, n_local, num_m, n_tiles, alpha, limit, beta, N=n, K=k, ACT=act,
         GROUP_M=group_m, num_warps=4, LIVE_ROWS=live_rows, TRACE=trace is not None, **TRIO_CONFIG)
     return h, hs
+
+
+def _launch_trio(kernel, grid: tuple, fp8: bool, *args, **kwargs) -> None:
+    """Launch a 192-row kernel. FP8 under kernel option moe_fp8_yield=n: its compiled cubin gets the
+    yield hints first (kernels/ffma_yield.py), keyed by the FFMA_YIELD constexpr so that each setting
+    has a compiled kernel of its own and the plain one is never edited (BF16 has no promotion)."""
+    every = _fp8_yield_every() if fp8 else 0
+    if every:
+        kwargs["FFMA_YIELD"] = every
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        if hasattr(compiled, "result"):  # under Triton's asynchronous compile mode
+            compiled = compiled.result()
+        ffma_yield.apply_to_compiled(compiled, every)
+    kernel[grid](*args, **kwargs)
+
+
+def _fp8_yield_every() -> int:
+    """Kernel option moe_fp8_yield: every how many promotion FFMAs one yields (0: none, as ptxas made them)."""
+    value = kernel_options().moe_fp8_yield
+    return 0 if value == "off" else int(value)
 
 
 def trio_trace_slots(num_m: int, n: int) -> int:
@@ -950,9 +973,9 @@ def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table
     else:
         col_tiles = col_tiles_per_program(n_out // 128, DOWN_TRIO_COL_TILES)
     n_groups = n_out // 128 // col_tiles
-    _down_trio_kernel[(num_m * n_groups,)](
-        _row_tiles(h, 128 if fp8 else 64), hs, w_table, ws_table, block_expert, sorted_pair, topk_w, _row_tiles(y, 128),
-        hs if trace is None else trace, n_local, num_m, n_groups, N_OUT=n_out, K=k,
+    _launch_trio(
+        _down_trio_kernel, (num_m * n_groups,), fp8, _row_tiles(h, 128 if fp8 else 64), hs, w_table, ws_table,
+        block_expert, sorted_pair, topk_w, _row_tiles(y, 128), hs if trace is None else trace, n_local, num_m, n_groups, N_OUT=n_out, K=k,
         GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, COL_TILES=col_tiles, FP8=fp8,
         LIVE_ROWS=_live_rows_only(), TRACE=trace is not None, PAIRS=pairs,
         **(DOWN_TRIO_PAIRS_CONFIG if pairs else DOWN_TRIO_CONFIG))

@@ -28,6 +28,7 @@ environment, so a launcher sets the variables before it starts them.
 | moe_down         | MINIMAX_MOE_DOWN         | auto    | auto, triton                     | the down GEMM: auto = the warp-specialized Gluon kernel of kernels/moe_gluon.py wherever the gate/up runs over 192-row blocks, else Triton; triton = the Triton kernel always (and a BF16 layer wholly on Triton) |
 | moe_trio_rows    | MINIMAX_MOE_TRIO_ROWS    | live    | live, all                        | the 192-row Gluon GEMMs' producer: live = only the 64-row tiles of groups that hold rows (an idle group's tile is padding nobody reads: 3-13% fewer bytes a stage at M3's prefill sizes); all = every 64-row tile of a block into each stage |
 | moe_bf16_passes  | MINIMAX_MOE_BF16_PASSES  | 1       | 1, 2                             | the BF16 192-row Gluon gate/up: 2 = two passes over a program's K steps, 64 columns of h each, the block's activation tiles loaded in both; 1 = one pass, a gate and an up product side by side from 256-row weight tiles, the activation tiles loaded once, and the BF16 Gluon down two column tiles a pass (8-13% faster than 2 on an H100) |
+| moe_fp8_yield    | MINIMAX_MOE_FP8_YIELD    | off     | off, 1, 2, 4                     | n: the FP8 192-row Gluon gate/up and down with the yield hint on every n-th FFMA of their promotion runs (kernels/ffma_yield.py edits the compiled cubin before it loads; the same results bit for bit), so the other warp groups issue their products during a group's scaling; off: as ptxas emits them |
 | moe_half_blocks  | MINIMAX_MOE_HALF_BLOCKS  | auto    | auto, off, on                    | on: the Triton grouped GEMMs multiply only the first half of a block whose second half is padding (an expert's run ends in its last block: at M3's 4096 tokens BF16 at BLOCK_M 128 multiplies 38% more rows than the useful ones, 19% with halves); auto: on for BF16 at BLOCK_M 128 where the experts average at most a block of rows (M3 up to 4096 tokens), where it was measured faster |
 | moe_align        | MINIMAX_MOE_ALIGN        | triton  | triton, torch                    | torch: the experts' sorted layout from ~15-40 torch kernels instead of Triton (one program up to 512 token-expert pairs, chunks of pairs in two launches past them) |
 | moe_route        | MINIMAX_MOE_ROUTE        | triton  | triton, torch                    | torch: the router's selection op for op instead of one Triton kernel |
@@ -99,6 +100,10 @@ docs/kernel-notes.md). Who runs them:
   (docs/kernel-notes.md#the-bf16-gateup-in-one-pass); the GPU test of tests/test_moe_triton.py
   checks it against the Triton path bit for bit (passed on an H100), tools/tune_moe.py
   --bf16-passes 2 1 times both: one pass 6-11% faster per call than two at 4096-16384 tokens;
+* moe_fp8_yield: built 2026-12-08 (thirty-sixth session) against the FP8 scaling's issue cost
+  (docs/kernel-notes.md#yield-hints-on-the-fp8-promotion); not yet timed on a GPU, so off. The
+  CPU tests check the edit against the disassembly, the GPU test of tests/test_moe_triton.py checks
+  the layer's bits equal to off's, tools/tune_moe.py --fp8-yield off 1 2 4 times them;
 * moe_half_blocks: on (2026-12-07, twenty-seventh session) gives the Triton gate/up and down
   kernels a second copy of their loop at half the block's rows, taken where the block's second
   half is padding (docs/kernel-notes.md#moe-against-both-limits counts the padding); auto (the
@@ -193,6 +198,10 @@ class KernelOptions:
         "MINIMAX_MOE_BF16_PASSES", "1", "the BF16 192-row Gluon gate/up: 2 = two passes of 64 columns of h, the "
         "activation tiles loaded in both; 1 = one pass over all 128 columns from 256-row weight tiles, the "
         "activation tiles loaded once, and the BF16 Gluon down two column tiles a pass", choices=("1", "2"))
+    moe_fp8_yield: str = _switch(
+        "MINIMAX_MOE_FP8_YIELD", "off", "n: the FP8 192-row Gluon gate/up and down with the yield hint on every "
+        "n-th FFMA of their promotion runs (the compiled cubin edited before it loads; the same results); off: as "
+        "ptxas emits them", choices=("off", "1", "2", "4"))
     moe_half_blocks: str = _switch(
         "MINIMAX_MOE_HALF_BLOCKS", "auto", "on: the Triton grouped GEMMs multiply only the first half of a block "
         "whose second half is padding; auto: on for BF16 at BLOCK_M 128 where the experts average at most a block "

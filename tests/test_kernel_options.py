@@ -15,7 +15,7 @@ from minimax_backend.kernels.options import KernelOptions, kernel_options, overr
 
 DEFAULTS = {
     "moe_kernel": "triton", "moe_tiles": None, "moe_gate_up": "auto", "moe_group_m": None,
-    "moe_expert_groups": None, "moe_gemm": "auto", "moe_down": "auto", "moe_trio_rows": "live", "moe_bf16_passes": "1", "moe_half_blocks": "auto", "moe_align": "triton",
+    "moe_expert_groups": None, "moe_gemm": "auto", "moe_down": "auto", "moe_trio_rows": "live", "moe_bf16_passes": "1", "moe_fp8_yield": "off", "moe_half_blocks": "auto", "moe_align": "triton",
     "moe_route": "triton",
     "moe_select": "fused", "moe_overlap": "auto", "moe_router_logits": "auto", "moe_shared": "merged",
     "gemm_rs_fused": True, "gemm_rs_schedule": "auto", "gemm_rs_push": "copy", "gemm_rs_pieces": None,
@@ -33,6 +33,7 @@ def test_every_variable_is_read():
     env = {"MINIMAX_MOE_KERNEL": "reference", "MINIMAX_MOE_TILES": "64,128,64,4,3", "MINIMAX_MOE_GATE_UP": "one_dot",
            "MINIMAX_MOE_GROUP_M": "4", "MINIMAX_MOE_EXPERT_GROUPS": "8", "MINIMAX_MOE_GEMM": "gluon",
            "MINIMAX_MOE_DOWN": "triton", "MINIMAX_MOE_TRIO_ROWS": "all", "MINIMAX_MOE_BF16_PASSES": "2",
+           "MINIMAX_MOE_FP8_YIELD": "2",
            "MINIMAX_MOE_HALF_BLOCKS": "on", "MINIMAX_MOE_ALIGN": "torch",
            "MINIMAX_MOE_ROUTE": "torch", "MINIMAX_MOE_ROUTER_LOGITS": "cublas", "MINIMAX_MOE_SHARED": "separate",
            "MINIMAX_MOE_SELECT": "separate", "MINIMAX_MOE_OVERLAP": "off", "MINIMAX_GEMM_RS_FUSED": "0",
@@ -41,7 +42,7 @@ def test_every_variable_is_read():
     opts = KernelOptions.from_env(env)
     assert opts.to_dict() == {
         "moe_kernel": "reference", "moe_tiles": [64, 128, 64, 4, 3], "moe_gate_up": "one_dot", "moe_group_m": 4,
-        "moe_expert_groups": 8, "moe_gemm": "gluon", "moe_down": "triton", "moe_trio_rows": "all", "moe_bf16_passes": "2", "moe_half_blocks": "on",
+        "moe_expert_groups": 8, "moe_gemm": "gluon", "moe_down": "triton", "moe_trio_rows": "all", "moe_bf16_passes": "2", "moe_fp8_yield": "2", "moe_half_blocks": "on",
         "moe_align": "torch",
         "moe_route": "torch", "moe_router_logits": "cublas",
         "moe_shared": "separate", "moe_select": "separate", "moe_overlap": "off", "gemm_rs_fused": False, "gemm_rs_schedule": "sum_after", "gemm_rs_push": "store",

@@ -701,13 +701,67 @@ def test_bf16_gluon_path_from_256_rows_per_expert_under_auto_and_always_under_gl
 
 
 class _LaunchRecorder:
-    """Stands in for a Gluon kernel: records each launch's grid and keyword arguments."""
+    """Stands in for a Gluon kernel: records each launch's grid and keyword arguments, and each warmup
+    (a compile without a launch) with them."""
 
     def __init__(self):
-        self.launches = []
+        self.launches, self.warmups = [], []
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launches.append((grid, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmups.append((grid, dict(kwargs)))
+        return ("compiled", len(self.warmups))
+
+
+def _recorded_trio_kernels(monkeypatch, gate_up_kernel: str):
+    """moe_gluon with its 192-row gate/up (the named kernel) and down replaced by _LaunchRecorders;
+    skips without Gluon. (module, gate_up recorder, down recorder)."""
+    import minimax_backend.kernels.moe_gluon as mg
+
+    if not mg.HAVE_GLUON:
+        pytest.skip("triton without Gluon")
+    monkeypatch.setattr(mg, "_ensure_allocator", lambda: None)
+    gate_up, down = _LaunchRecorder(), _LaunchRecorder()
+    monkeypatch.setattr(mg, gate_up_kernel, gate_up)
+    monkeypatch.setattr(mg, "_down_trio_kernel", down)
+    return mg, gate_up, down
+
+
+def test_fp8_192_row_launchers_edit_the_compiled_kernel_before_launching_under_moe_fp8_yield(monkeypatch):
+    """moe_fp8_yield=n on the host (the edit itself: tests/test_ffma_yield.py; its results: the GPU
+    test below): the FP8 192-row gate/up and down are compiled first with FFMA_YIELD=n (a compiled
+    kernel of their own), that kernel is edited for n, then launched with the same arguments; off
+    launches them as before, and the BF16 down (no promotion) is never edited."""
+    mg, gate_up, down = _recorded_trio_kernels(monkeypatch, "_gate_up_trio_kernel")
+    edits = []
+    monkeypatch.setattr(mg.ffma_yield, "apply_to_compiled", lambda compiled, every: edits.append((compiled, every)))
+    num_m, i32, fp8 = 2, torch.int32, torch.float8_e4m3fn
+    blocks, pairs = torch.zeros(2 * num_m, dtype=i32), torch.zeros(num_m * mg.TRIO_BLOCK_M, dtype=i32)
+    table, topk_w = torch.zeros(4, dtype=torch.int64), torch.ones(8)
+    x = torch.zeros(num_m * mg.TRIO_BLOCK_M, 512, dtype=fp8)
+    xs = torch.ones(x.shape[0], 4)
+
+    def run(dtype=fp8):
+        mg.gate_up_act_trio(x, xs, table, table, blocks, pairs, num_m, 4, 256, 0, 1.0, 7.0, 1.0, -1)
+        h = torch.zeros(num_m * mg.TRIO_BLOCK_M, 256, dtype=dtype)
+        mg.down_trio(h, torch.ones(h.shape[0], 2), table, table, blocks, pairs, topk_w, num_m, 4, 6144, -1)
+
+    with override_kernel_options(moe_fp8_yield="off"):
+        run()
+    assert gate_up.warmups == down.warmups == edits == []
+    assert "FFMA_YIELD" not in gate_up.launches[-1][1] and "FFMA_YIELD" not in down.launches[-1][1]
+    with override_kernel_options(moe_fp8_yield="2"):
+        run()
+    for kernel, n in ((gate_up, 1), (down, 1)):
+        assert len(kernel.warmups) == n and kernel.warmups[-1] == kernel.launches[-1]
+        assert kernel.launches[-1][1]["FFMA_YIELD"] == 2
+    assert edits == [(("compiled", 1), 2), (("compiled", 1), 2)]
+    with override_kernel_options(moe_fp8_yield="4"):
+        mg.down_trio(torch.zeros(num_m * mg.TRIO_BLOCK_M, 256, dtype=torch.bfloat16), xs, table, table, blocks, pairs,
+                     topk_w, num_m, 4, 6144, -1)
+    assert len(down.warmups) == 1 and len(edits) == 2 and "FFMA_YIELD" not in down.launches[-1][1]
 
 
 def test_bf16_192_row_launchers_take_one_pass_only_under_moe_bf16_passes_1(monkeypatch):
@@ -715,14 +769,7 @@ def test_bf16_192_row_launchers_take_one_pass_only_under_moe_bf16_passes_1(monke
     gate/up runs in one pass with its own registers, the BF16 down two column tiles a pass, four tiles
     a program (a grid of 12 programs per block for 48 tiles instead of 16), never FP8 and never an
     odd number of column tiles; moe_bf16_passes=2 keeps the two-pass forms."""
-    import minimax_backend.kernels.moe_gluon as mg
-
-    if not mg.HAVE_GLUON:
-        pytest.skip("triton without Gluon")
-    monkeypatch.setattr(mg, "_ensure_allocator", lambda: None)
-    gate_up, down = _LaunchRecorder(), _LaunchRecorder()
-    monkeypatch.setattr(mg, "_gate_up_trio_bf16_kernel", gate_up)
-    monkeypatch.setattr(mg, "_down_trio_kernel", down)
+    mg, gate_up, down = _recorded_trio_kernels(monkeypatch, "_gate_up_trio_bf16_kernel")
     num_m, i32 = 2, torch.int32
     blocks, pairs = torch.zeros(2 * num_m, dtype=i32), torch.zeros(num_m * mg.TRIO_BLOCK_M, dtype=i32)
     table, topk_w = torch.zeros(4, dtype=torch.int64), torch.ones(8)
@@ -1440,7 +1487,8 @@ def test_gpu_gluon_gate_up_equals_the_triton_kernel_bit_for_bit(down_col_tiles, 
     """The Gluon kernel sums the same float32 products in the same order as the Triton loop (per K
     step: the product, times the activation and weight block scales), so the layer's output is the
     same bits, with a crowded expert and an idle one; the Gluon down too, with one or two 128-column
-    tiles per program (the tiny width has two)."""
+    tiles per program (the tiny width has two); and the 192-row kernels with their promotion FFMAs
+    edited to yield (kernel option moe_fp8_yield: scheduling hints only)."""
     import minimax_backend.kernels.moe_gluon as mg
     import minimax_backend.kernels.moe_triton as kt
 
@@ -1464,6 +1512,10 @@ def test_gpu_gluon_gate_up_equals_the_triton_kernel_bit_for_bit(down_col_tiles, 
         out["gluon192_triton_down"] = kt.grouped_gated_mlp(x, *common, shared=shared)
     with override_kernel_options(moe_gemm="gluon192", moe_trio_rows="live"):  # idle groups' rows not loaded
         out["gluon192_live_rows"] = kt.grouped_gated_mlp(x, *common, shared=shared)
+    for every in ("1", "2", "4"):  # the promotion FFMAs with yield hints (kernels/ffma_yield.py)
+        with override_kernel_options(moe_gemm="gluon192", moe_fp8_yield=every):
+            out[f"gluon192_yield_{every}"] = kt.grouped_gated_mlp(x, *common, shared=shared)
+        assert torch.equal(out[f"gluon192_yield_{every}"], out["triton"]), every
     assert torch.equal(out["gluon192_live_rows"], out["triton"])
     assert torch.equal(out["gluon"], out["triton"])
     assert torch.equal(out["gluon192_triton_down"], out["triton"])

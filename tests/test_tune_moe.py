@@ -134,6 +134,14 @@ def test_bf16_passes_only_with_the_bf16_192_row_gate_up():
     assert bf16_passes_for("triton", False, ["1"]) == ["2"]
 
 
+def test_fp8_yield_only_with_the_fp8_192_row_kernels():
+    from minimax_backend.tools.tune_moe import fp8_yield_for
+
+    assert fp8_yield_for("gluon192", True, ["off", "2"]) == ["off", "2"]
+    assert fp8_yield_for("gluon192", False, ["off", "2"]) == ["off"]  # BF16 has no promotion FFMAs
+    assert fp8_yield_for("gluon", True, ["2"]) == ["off"]
+
+
 def test_half_blocks_only_where_a_triton_gemm_runs():
     from minimax_backend.tools.tune_moe import half_blocks_for
 

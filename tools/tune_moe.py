@@ -74,6 +74,11 @@ def bf16_passes_for(gemm: str, fp8: bool, passes: list[str]) -> list[str]:
     return passes if gemm == "gluon192" and not fp8 else ["2"]
 
 
+def fp8_yield_for(gemm: str, fp8: bool, yields: list[str]) -> list[str]:
+    """The moe_fp8_yield values to run with one gate/up kernel: only the FP8 192-row Gluon kernels read it."""
+    return yields if gemm == "gluon192" and fp8 else ["off"]
+
+
 def half_blocks_for(gemm: str, down: str, half_blocks: list[str]) -> list[str]:
     """The moe_half_blocks values to run with one gate/up and down pair: only the Triton kernels read
     it, and the 192-row Gluon gate/up with the Gluon down (moe_down auto) leaves none."""
@@ -200,6 +205,9 @@ def main(argv=None) -> None:
                    help="the BF16 192-row Gluon gate/up under --moe-gemm gluon192 (kernel option moe_bf16_passes; "
                         "1: one pass over all 128 columns of h, the activation tiles loaded once, and the BF16 Gluon "
                         "down two column tiles a pass)")
+    p.add_argument("--fp8-yield", nargs="+", choices=["off", "1", "2", "4"], default=["off"],
+                   help="the FP8 192-row Gluon GEMMs under --moe-gemm gluon192 (kernel option moe_fp8_yield; n: the "
+                        "yield hint on every n-th FFMA of their promotion runs, kernels/ffma_yield.py)")
     p.add_argument("--half-blocks", nargs="+", choices=["auto", "off", "on"], default=["auto"],
                    help="the Triton grouped GEMMs' half-block copy (kernel option moe_half_blocks; on: a block whose "
                         "second half is padding multiplies only its first half; auto: the table's choice)")
@@ -248,22 +256,25 @@ def main(argv=None) -> None:
                     print(f"[tune_moe] {precision}: none of --moe-gemm {' '.join(args.moe_gemm)} has a {precision} "
                           "form (BF16: triton, gluon192); nothing run", flush=True)
                 for gemm, down in pairs:
-                    for trio_rows, halves, passes in itertools.product(
+                    for trio_rows, halves, passes, yields in itertools.product(
                             trio_rows_for(gemm, args.trio_rows), half_blocks_for(gemm, down, args.half_blocks),
-                            bf16_passes_for(gemm, fp8, args.bf16_passes)):
+                            bf16_passes_for(gemm, fp8, args.bf16_passes), fp8_yield_for(gemm, fp8, args.fp8_yield)):
                         with torch.no_grad(), override_kernel_options(moe_gemm=gemm, moe_down=down,
                                                                       moe_trio_rows=trio_rows,
                                                                       moe_half_blocks=halves,
-                                                                      moe_bf16_passes=passes):
+                                                                      moe_bf16_passes=passes,
+                                                                      moe_fp8_yield=yields):
                             found = sweep(blk, cfg, tokens, configs, args.calls, device, tuple(args.gate_up),
                                           _orders(args), args.sustained, power)
                         for r in found:  # tagged in place: the sampler's windows hold these same dicts
                             r.update(precision=precision, moe_gemm=gemm, trio_rows=trio_rows, half_blocks=halves,
-                                     bf16_passes=passes, moe_down="gluon192" if down == "auto" else down)
+                                     bf16_passes=passes, fp8_yield=yields,
+                                     moe_down="gluon192" if down == "auto" else down)
                         rows += found
             del blk
     ok = [r for r in rows if "error" not in r]
-    print_table(ok, ["precision", "moe_gemm", "moe_down", "trio_rows", "half_blocks", "bf16_passes", "tokens", "config",
+    print_table(ok, ["precision", "moe_gemm", "moe_down", "trio_rows", "half_blocks", "bf16_passes", "fp8_yield", "tokens",
+                     "config",
                      "gate_up", "group_m", "call_us", "gate_up_us", "gate_up_tflops", "down_us", "down_tflops", "rest_us",
                      "layer_tflops",
                      *(["sustained_us", "sustained_layer_tflops", "sm_mhz", "watts"] if args.sustained else [])],
