@@ -14,10 +14,11 @@ the reuse cache). Only those two control fields change: the same instructions, o
 counts and dependency barriers, so the same results bit for bit.
 
 The sm_90 encoding, as read off ptxas's output (tests/test_triton_sm90_codegen.py checks it on the
-compiled kernels against the cuobjdump that Triton ships; tests/test_ffma_yield.py the edit itself): 16 bytes an instruction, little endian; the opcode in the low 12 bits
-(0x223: FFMA with three register sources); in the high 64-bit word, bit 45 is the yield flag
-(0 = may yield, which ptxas sets on long stalls and never on an instruction with a reuse flag) and
-bits 58-61 are the operand reuse flags (`.reuse` in the disassembly).
+compiled kernels against the cuobjdump that Triton ships; tests/test_ffma_yield.py the edit itself):
+16 bytes an instruction, little endian; the opcode in the low 12 bits (0x223: FFMA with three
+register sources); in the high 64-bit word, bit 45 is the yield flag (0 = may yield, which ptxas
+sets on long stalls and never on an instruction with a reuse flag) and bits 58-61 are the operand
+reuse flags (`.reuse` in the disassembly).
 """
 
 from __future__ import annotations

@@ -273,9 +273,8 @@ def main(argv=None) -> None:
                         rows += found
             del blk
     ok = [r for r in rows if "error" not in r]
-    print_table(ok, ["precision", "moe_gemm", "moe_down", "trio_rows", "half_blocks", "bf16_passes", "fp8_yield", "tokens",
-                     "config",
-                     "gate_up", "group_m", "call_us", "gate_up_us", "gate_up_tflops", "down_us", "down_tflops", "rest_us",
+    print_table(ok, ["precision", "moe_gemm", "moe_down", "trio_rows", "half_blocks", "bf16_passes", "fp8_yield",
+                     "tokens", "config", "gate_up", "group_m", "call_us", "gate_up_us", "gate_up_tflops", "down_us", "down_tflops", "rest_us",
                      "layer_tflops",
                      *(["sustained_us", "sustained_layer_tflops", "sm_mhz", "watts"] if args.sustained else [])],
                 title="MoE grouped GEMMs per tile config")
