@@ -876,8 +876,8 @@ def gate_up_act_trio(xg: torch.Tensor, xsg: torch.Tensor, w_table: torch.Tensor,
     _launch_trio(
         _gate_up_trio_kernel, (num_m * n_tiles,), True, _row_tiles(xg, 128), xsg, w_table, ws_table, block_expert,
         sorted_pair, _row_tiles(h, 128), hs, hs if trace is None else trace, n_local, num_m, n_tiles, alpha, limit,
-        beta, N=n, K=k, ACT=act,
-        GROUP_M=group_m, num_warps=4, LIVE_ROWS=live_rows, TRACE=trace is not None, **TRIO_CONFIG)
+        beta, N=n, K=k, ACT=act, GROUP_M=group_m, num_warps=4, LIVE_ROWS=live_rows, TRACE=trace is not None,
+        **TRIO_CONFIG)
     return h, hs
 
 
@@ -977,8 +977,8 @@ def down_trio(h: torch.Tensor, hs: torch.Tensor, w_table: torch.Tensor, ws_table
     _launch_trio(
         _down_trio_kernel, (num_m * n_groups,), fp8, _row_tiles(h, 128 if fp8 else 64), hs, w_table, ws_table,
         block_expert, sorted_pair, topk_w, _row_tiles(y, 128), hs if trace is None else trace, n_local, num_m,
-        n_groups, N_OUT=n_out, K=k,
-        GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4, COL_TILES=col_tiles, FP8=fp8,
+        n_groups, N_OUT=n_out, K=k, GROUP_M=group_m if group_m < 0 else max(group_m, 1), num_warps=4,
+        COL_TILES=col_tiles, FP8=fp8,
         LIVE_ROWS=_live_rows_only(), TRACE=trace is not None, PAIRS=pairs,
         **(DOWN_TRIO_PAIRS_CONFIG if pairs else DOWN_TRIO_CONFIG))
     return y

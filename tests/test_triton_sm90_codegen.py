@@ -481,17 +481,17 @@ def test_moe_gluon_bf16_gemms_compile_warp_specialized_without_spills(width, tmp
         assert local_memory_bytes(kernel, tmp_path) == 0
 
 
-def sass_of(kernel, tmp_path) -> str:
-    """The SASS of a compiled kernel, from the cuobjdump that Triton ships."""
+def sass_of(kernel, tmp_path, cubin: bytes | None = None, name: str = "kernel_sass") -> str:
+    """The SASS of a compiled kernel (or of the given cubin bytes), from the cuobjdump that Triton ships."""
     import os
     import subprocess
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
         pytest.skip("this triton ships no cuobjdump")
-    cubin = tmp_path / "kernel_sass.cubin"
-    cubin.write_bytes(kernel.asm["cubin"])
-    return subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    path = tmp_path / f"{name}.cubin"
+    path.write_bytes(kernel.asm["cubin"] if cubin is None else cubin)
+    return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
 
 
 @pytest.mark.parametrize("width", [3072, 256], ids=["m3", "tiny"])
@@ -552,15 +552,7 @@ def test_moe_gluon_192_row_kernels_with_live_rows_only(tmp_path):
 
 def sass_lines(cubin: bytes, tmp_path, name: str) -> list[tuple[str, int, int]]:
     """(instruction text, low word, high word) of each instruction of a one-kernel cubin, from cuobjdump."""
-    import os
-    import subprocess
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        pytest.skip("this triton ships no cuobjdump")
-    path = tmp_path / f"{name}.cubin"
-    path.write_bytes(cubin)
-    lines = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout.splitlines()
+    lines = sass_of(None, tmp_path, cubin, name).splitlines()
     out = []
     for i, line in enumerate(lines):
         m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;\s*/\* (0x[0-9a-f]{16}) \*/", line)
